@@ -1,0 +1,61 @@
+# capflow: every target creates/updates .venv itself (idempotent; fast when nothing changed).
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.capflow-installed
+CONSTRAINTS := infra/constraints.txt
+PYTEST_ARGS ?=
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
+export MLFLOW_DISABLE_TELEMETRY := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: install test test-fast lint format demo lock clean help
+
+help:
+	@echo "make demo     - install (if needed) and run the demo on a synthetic dataset"
+	@echo "make test     - install (if needed) and run the whole test suite"
+	@echo "make lint     - ruff"
+	@echo "make install  - create/update .venv (CAPFLOW_SKIP_DETECTRON2=1: bring your own detectron2)"
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS) infra/install_detectron2.py
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) "setuptools<81" wheel
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e ".[dev]"
+	$(BIN)/python infra/install_detectron2.py --python $(BIN)/python
+	@touch $(STAMP)
+	@echo "environment ready: $(VENV)"
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+
+demo: install
+	$(BIN)/capflow ingest --preset demo
+	$(BIN)/capflow vocab --preset demo
+
+# Re-resolve the pinned stack from pyproject.toml's ranges into infra/constraints.txt.
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install -q "setuptools<81" wheel
+	.lock-venv/bin/pip install -q -e ".[dev]"
+	{ echo "# Pinned stack known to install and run together (Python 3.11, Linux x86_64). Regenerate with 'make lock'."; \
+	  echo "# torch/torchvision use arbitrary equality (===) so pip takes the registry's standard wheels, not a local +cpu build."; \
+	  .lock-venv/bin/pip freeze --all --exclude-editable | grep -v -E "^(pip|capflow)[=@ ]" \
+	  | sed -e 's/^torch==/torch===/' -e 's/^torchvision==/torchvision===/'; } > $(CONSTRAINTS)
+	rm -rf .lock-venv
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

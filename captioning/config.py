@@ -1,0 +1,309 @@
+"""Configuration: one pydantic model per stage, one for the whole pipeline, YAML presets.
+
+Every setting has a default and a one-line description (``capflow config keys`` lists them). Unknown keys are
+errors naming the key. Presets ship as package data (``captioning/presets/*.yaml``); a config is a preset or a
+YAML file, then ``key=value`` overrides (dotted paths, values parsed as YAML scalars).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration could not be loaded: names the file, key and what to do."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    workdir: str = Field(".capflow", description="Root folder for stores, caches and artifacts of runs")
+    name: str = Field("capflow", description="Name of this pipeline (MLflow experiment name)")
+    seed: int = Field(0, description="Global random seed (data shuffling, initialisation, sampling)")
+    device: str = Field("auto", description="Torch device: auto (CUDA when present), cpu, cuda, cuda:N")
+
+
+class SyntheticConfig(Section):
+    num_images: int = Field(1000, ge=1, description="Number of synthetic images to generate")
+    seed: int = Field(0, description="Seed of the synthetic dataset (same seed -> identical files)")
+    min_size: int = Field(96, ge=32, description="Smallest image side in pixels")
+    max_size: int = Field(192, ge=32, description="Largest image side in pixels")
+    max_objects: int = Field(4, ge=1, le=8, description="Most objects drawn in one scene")
+    png_fraction: float = Field(0.3, ge=0, le=1, description="Share of images written as PNG (rest JPEG)")
+    val_fraction: float = Field(0.1, ge=0, le=1, description="Share of images in the val split")
+    test_fraction: float = Field(0.1, ge=0, le=1, description="Share of images in the test split")
+
+
+class DatasetConfig(Section):
+    annotations: str | None = Field(
+        None, description="Karpathy dataset_coco.json path; unset = generate the synthetic dataset"
+    )
+    images: str | None = Field(None, description="Images root folder (entries' filepath/filename below it)")
+    synthetic: SyntheticConfig = Field(
+        default_factory=SyntheticConfig, description="Synthetic dataset used when annotations is unset"
+    )
+    max_reject_fraction: float = Field(
+        0.01, ge=0, le=1, description="Most bad entries tolerated (rejected with reasons); more fails the run"
+    )
+    restval_split: Literal["train", "val", "test", "drop"] = Field(
+        "train", description="Where Karpathy 'restval' images go"
+    )
+    max_words: int = Field(16, ge=1, description="Captions are truncated to this many words")
+    image_check: Literal["none", "header", "decode"] = Field(
+        "header",
+        description="Image check at ingest: none, header (+ end marker of JPEG/PNG), decode (full decode)",
+    )
+    hash_workers: int = Field(4, ge=1, description="Threads hashing image files for the dataset digest")
+
+
+class ExtractorConfig(Section):
+    model_config_file: str = Field(
+        "COCO-Detection/faster_rcnn_R_101_C4_3x.yaml",
+        description="detectron2 model-zoo config (or YAML path) of the C4 Faster R-CNN",
+    )
+    weights: str | None = Field(None, description="Detector weights: local path or s3:// URI; unset = random")
+    weights_sha256: str | None = Field(None, description="Expected sha256 of the weights file (checked)")
+    min_size: int = Field(600, ge=16, description="Short image side at inference (pixels)")
+    max_size: int = Field(1000, ge=16, description="Longest image side at inference (pixels)")
+    proposals: int = Field(300, ge=1, description="RPN proposals kept after NMS per image")
+    conf_threshold: float = Field(0.2, ge=0, le=1, description="Keep boxes whose best class score is above")
+    nms_threshold: float = Field(0.3, ge=0, le=1, description="Per-class NMS IoU threshold")
+    amp: bool = Field(False, description="Mixed precision inference on CUDA")
+    batch_size: int = Field(2, ge=1, description="Images per forward pass")
+
+
+class FeaturesConfig(Section):
+    store: str | None = Field(None, description="Feature store URI (path or s3://); unset = <workdir>/features/")
+    min_boxes: int = Field(10, ge=1, description="Fewest boxes kept per image")
+    max_boxes: int = Field(100, ge=1, description="Most boxes kept per image (= B_max of the store)")
+    feature_dim: int = Field(2048, ge=1, description="Region feature width")
+    dtype: Literal["float16", "float32"] = Field("float16", description="Stored feature precision")
+    chunk_rows: int = Field(8, ge=1, description="Images per Zarr chunk (the unit of parallel writing)")
+    compressor: Literal["none", "lz4", "zstd"] = Field(
+        "lz4", description="Blosc codec for features (byte-shuffled); none = raw"
+    )
+    workers: int = Field(2, ge=1, description="Dask worker processes for extraction (LocalCluster)")
+    dask_address: str | None = Field(None, description="Dask scheduler address; unset = LocalCluster on 127.0.0.1")
+    extractor: ExtractorConfig = Field(default_factory=ExtractorConfig, description="Detector settings")
+
+
+class VocabConfig(Section):
+    min_count: int = Field(5, ge=1, description="Words seen fewer times in the train split become <unk>")
+    radix_base: int = Field(768, ge=2, description="ACORT radix base v (digits per word follow from it)")
+
+
+class LoaderConfig(Section):
+    batch_size: int = Field(10, ge=1, description="Images per training batch")
+    captions_per_image: int = Field(5, ge=1, description="Captions drawn per image in a batch")
+    shuffle_buffer: int = Field(256, ge=1, description="Images held in the shuffle buffer")
+    workers: int = Field(0, ge=0, description="DataLoader worker processes (0 = in the main process)")
+
+
+class ModelConfig(Section):
+    arch: str = Field("aic", description="Architecture preset name from the model registry")
+    d_model: int = Field(512, ge=8, description="Model width d")
+    layers: int = Field(6, ge=1, description="Encoder and decoder layers each")
+    heads: int = Field(8, ge=1, description="Attention heads")
+    d_ff: int = Field(2048, ge=8, description="FFN hidden width")
+    dropout: float = Field(0.1, ge=0, le=1, description="Dropout inside the stacks")
+
+
+class XEConfig(Section):
+    epochs: int = Field(15, ge=1, description="Cross-entropy epochs")
+    noam_factor: float = Field(1.0, gt=0, description="Noam schedule factor")
+    warmup: int = Field(10000, ge=1, description="Noam warm-up steps")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing of the XE loss")
+    clip: float = Field(0.1, gt=0, description="Gradient clipping by value")
+
+
+class SCSTConfig(Section):
+    enabled: bool = Field(True, description="Run SCST fine-tuning after XE")
+    epochs: int = Field(10, ge=1, description="SCST epochs")
+    lr: float = Field(5e-5, gt=0, description="Constant SCST learning rate")
+    samples: int = Field(5, ge=2, description="Sampled captions per image")
+    baseline: Literal["mean", "greedy"] = Field("mean", description="Reward baseline: mean of others or greedy")
+
+
+class TeacherConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The AIC teacher's architecture")
+    xe: XEConfig = Field(default_factory=XEConfig, description="Teacher XE training")
+
+
+class StudentsConfig(Section):
+    names: list[str] = Field(
+        default_factory=lambda: ["acort", "expansionnet", "lw", "satic", "zodiac"],
+        description="Student families trained from the teacher (one run each)",
+    )
+    size: str = Field("base", description="Size variant of each family's registry preset")
+    seqkd_beam: int = Field(5, ge=1, description="Beam size of the teacher when generating SeqKD captions")
+    xe: XEConfig = Field(default_factory=XEConfig, description="Student XE training")
+    scst: SCSTConfig = Field(default_factory=SCSTConfig, description="Student SCST fine-tuning")
+
+
+class EvalConfig(Section):
+    beam: int = Field(3, ge=1, description="Beam size at evaluation")
+    spice_jars: str | None = Field(None, description="Folder with Stanford CoreNLP jars for SPICE; unset = no SPICE")
+
+
+class TrackingConfig(Section):
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; unset = MLFLOW_TRACKING_URI or a local SQLite store in workdir"
+    )
+    experiment: str | None = Field(None, description="MLflow experiment; unset = run.name")
+    model_name: str = Field("capflow-captioner", description="Registered model the students are versions of")
+
+
+class PipelineConfig(Section):
+    """The whole pipeline: one section per stage."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run-wide settings")
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Input dataset")
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig, description="Region features")
+    vocab: VocabConfig = Field(default_factory=VocabConfig, description="Vocabulary and radix codec")
+    loader: LoaderConfig = Field(default_factory=LoaderConfig, description="Training data loader")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="AIC teacher")
+    students: StudentsConfig = Field(default_factory=StudentsConfig, description="Students")
+    evaluation: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking")
+
+    @field_validator("features")
+    @classmethod
+    def _boxes_ordered(cls, v: FeaturesConfig) -> FeaturesConfig:
+        if v.min_boxes > v.max_boxes:
+            raise ValueError(f"features.min_boxes ({v.min_boxes}) > features.max_boxes ({v.max_boxes})")
+        return v
+
+    # ----------------------------------------------------------------- derived paths
+    @property
+    def workdir(self) -> Path:
+        return Path(self.run.workdir)
+
+    def feature_store_uri(self) -> str:
+        return self.features.store or str(self.workdir / "features")
+
+    def digest(self, section: str | None = None) -> str:
+        """Stable sha256 of the whole config or of one dotted section (cache keys, lineage tags)."""
+        data: Any = self.model_dump(mode="json")
+        if section:
+            for part in section.split("."):
+                data = data[part]
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+# ------------------------------------------------------------------------- loading
+PRESET_PACKAGE = "captioning.presets"
+
+
+def preset_names() -> list[str]:
+    files = resources.files(PRESET_PACKAGE).iterdir()
+    return sorted(p.name[: -len(".yaml")] for p in files if p.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, origin: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{origin}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def preset_dict(name: str) -> dict[str, Any]:
+    if name not in preset_names():
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(preset_names())}")
+    text = resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text()
+    return _read_yaml(text, f"preset {name}")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. run.seed=3)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'")
+        else:
+            lines.append(f"'{key}': {e['msg']} (got {e.get('input')!r})")
+    return f"{origin}: invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(
+    preset: str | None = None, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> PipelineConfig:
+    """Build a config: defaults <- preset or file <- overrides. Raises ConfigError naming the key."""
+    if preset and path:
+        raise ConfigError("give either a preset or a config file, not both")
+    origin = "defaults"
+    data: dict[str, Any] = {}
+    if preset:
+        data, origin = preset_dict(preset), f"preset {preset}"
+    elif path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        data, origin = _read_yaml(p.read_text(), str(p)), str(p)
+    for item in overrides:
+        keys, value = parse_override(item)
+        _set_path(data, keys, value, item)
+    if overrides:
+        origin += " + overrides"
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, origin)) from None
+
+
+def dump_yaml(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def describe_keys(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, default, description) for every leaf setting."""
+    rows: list[tuple[str, Any, str]] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_keys(ann, key + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((key, default, field.description or ""))
+    return rows

@@ -1,0 +1,184 @@
+"""Dataset preparation steps as plain functions of the config: ingest, vocabulary + label store, imports.
+
+These are what the CLI and the pipeline's tasks call; they know nothing about Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm.auto import tqdm
+
+from captioning.config import PipelineConfig
+from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, read_karpathy
+from captioning.data.stores import OK, REJECTED, FeatureStore, LabelStore
+from captioning.data.text import Vocabulary, build_vocabulary
+
+log = logging.getLogger(__name__)
+
+
+def synthetic_dataset(cfg: PipelineConfig, progress: bool = False) -> tuple[Path, Path]:
+    """Generate (once) the configured synthetic dataset; returns (annotations JSON, images root)."""
+    from captioning.data.synthetic import generate_synthetic
+
+    s = cfg.dataset.synthetic
+    out = cfg.workdir / "synthetic" / cfg.digest("dataset.synthetic")[:12]
+    ann = out / "dataset.json"
+    done = out / ".complete"
+    if not done.exists():
+        log.info("generating %d synthetic images into %s", s.num_images, out)
+        ann = generate_synthetic(
+            out, s.num_images, s.seed, min_size=s.min_size, max_size=s.max_size, max_objects=s.max_objects,
+            png_fraction=s.png_fraction, val_fraction=s.val_fraction, test_fraction=s.test_fraction,
+            progress=progress,
+        )
+        done.write_text(json.dumps(s.model_dump()))
+    return ann, out / "images"
+
+
+def ingest(cfg: PipelineConfig, progress: bool = False) -> Dataset:
+    """Read + validate the configured dataset (generating the synthetic one if no annotations are set)."""
+    d = cfg.dataset
+    if d.annotations is None:
+        ann, images = synthetic_dataset(cfg, progress)
+    else:
+        ann, images = Path(d.annotations), (Path(d.images) if d.images else None)
+    return read_karpathy(
+        ann, images, max_words=d.max_words, restval_split=d.restval_split, image_check=d.image_check,
+        max_reject_fraction=d.max_reject_fraction, hash_workers=d.hash_workers,
+        hash_cache=cfg.workdir / "cache" / "file_hashes.json", progress=progress,
+    )
+
+
+@dataclass
+class LabelResult:
+    vocab_path: Path
+    labels_uri: str
+    vocab: Vocabulary
+    captions: int
+
+
+def build_labels(
+    ds: Dataset, vocab: Vocabulary, uri: str, max_words: int, image_rows: dict[int, int] | None = None,
+    overwrite: bool = True,
+) -> LabelStore:
+    """Write the ground-truth label store. ``image_rows`` maps image id -> feature-store row (default: the
+    dataset's own order, which is the order a feature store built from it uses)."""
+    if image_rows is None:
+        image_rows = {e.image_id: i for i, e in enumerate(ds.images)}
+    caps = [(e, c) for e in ds.images for c in e.captions]
+    m = len(caps)
+    tokens = np.zeros((m, max_words), np.int32)
+    length = np.zeros(m, np.int16)
+    rows = np.zeros(m, np.int32)
+    ids = np.zeros(m, np.int64)
+    split = np.zeros(m, np.int8)
+    missing = set()
+    for k, (e, c) in enumerate(caps):
+        if e.image_id not in image_rows:
+            missing.add(e.image_id)
+            continue
+        w = vocab.encode(c.split()[:max_words])
+        tokens[k, : len(w)] = w
+        length[k] = len(w)
+        rows[k] = image_rows[e.image_id]
+        ids[k] = e.image_id
+        split[k] = SPLIT_CODES[e.split]
+    if missing:
+        raise DatasetError(f"{len(missing)} images have no feature-store row, e.g. {sorted(missing)[:5]}")
+    return LabelStore.create(
+        uri, tokens, length, rows, ids, split, overwrite=overwrite,
+        attrs={"dataset_digest": ds.digest, "vocab_digest": vocab.digest()},
+    )
+
+
+def vocab_and_labels(cfg: PipelineConfig, ds: Dataset, image_rows: dict[int, int] | None = None) -> LabelResult:
+    """Vocabulary from the train split, ``vocab.json`` and ``labels.zarr`` in the workdir."""
+    train = list(ds.captions("train"))
+    if not train:
+        raise DatasetError("the dataset has no train captions to build a vocabulary from")
+    vocab = build_vocabulary(train, cfg.vocab.min_count, cfg.vocab.radix_base)
+    out = cfg.workdir / "labels"
+    vocab_path = vocab.save(out / "vocab.json")
+    uri = str(out / "labels.zarr")
+    store = build_labels(ds, vocab, uri, cfg.dataset.max_words, image_rows)
+    return LabelResult(vocab_path, store.uri, vocab, int(store.group["tokens"].shape[0]))
+
+
+def import_npy_features(
+    att_dir: str | Path,
+    box_dir: str | Path,
+    image_ids: list[int],
+    uri: str,
+    *,
+    max_boxes: int = 100,
+    feature_dim: int = 2048,
+    chunk_rows: int = 8,
+    dtype: str = "float16",
+    compressor: str = "lz4",
+    image_sizes: dict[int, tuple[int, int]] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> FeatureStore:
+    """Per-image ``.npy`` features (``att_dir/{id}.npy`` N x D, ``box_dir/{id}.npy`` N x 4 relative boxes)
+    -> a feature store. Missing/malformed files are rejected rows with a reason, never silently dropped."""
+    att_dir, box_dir = Path(att_dir), Path(box_dir)
+    store = FeatureStore.create(
+        uri, image_ids, max_boxes=max_boxes, feature_dim=feature_dim, chunk_rows=chunk_rows, dtype=dtype,
+        compressor=compressor, overwrite=overwrite,
+        attrs={"source": "import-npy", "att_dir": str(att_dir), "box_dir": str(box_dir)},
+    )
+    sizes = image_sizes or {}
+    for c in tqdm(range(store.num_chunks), desc="importing", disable=not progress, unit="chunk"):
+        start, stop = store.chunk_range(c)
+        n = stop - start
+        feats = np.zeros((n, max_boxes, feature_dim), np.float32)
+        boxes = np.zeros((n, max_boxes, 4), np.float32)
+        nb = np.zeros(n, np.int16)
+        size = np.full((n, 2), -1, np.int32)
+        status = np.full(n, OK, np.int8)
+        reasons = [""] * n
+        for k, iid in enumerate(image_ids[start:stop]):
+            try:
+                f = np.load(att_dir / f"{iid}.npy", allow_pickle=False)
+                b = np.load(box_dir / f"{iid}.npy", allow_pickle=False)
+                if f.ndim != 2 or f.shape[1] != feature_dim:
+                    raise ValueError(f"features have shape {f.shape}, expected (N, {feature_dim})")
+                if b.shape != (f.shape[0], 4):
+                    raise ValueError(f"boxes have shape {b.shape}, expected ({f.shape[0]}, 4)")
+                if f.shape[0] > max_boxes:
+                    raise ValueError(f"{f.shape[0]} boxes > max_boxes={max_boxes}")
+                if not (np.all(np.isfinite(f)) and np.all(np.isfinite(b))):
+                    raise ValueError("non-finite values")
+            except (OSError, ValueError) as e:
+                status[k], reasons[k] = REJECTED, f"cannot import features: {e}"
+                log.warning("image %s: %s", iid, reasons[k])
+                continue
+            nb[k] = f.shape[0]
+            feats[k, : f.shape[0]] = f
+            boxes[k, : f.shape[0]] = b
+            if iid in sizes:
+                size[k] = sizes[iid]
+        store.write_rows(start, features=feats, boxes=boxes, num_boxes=nb, image_size=size, status=status,
+                         reject_reason=reasons)
+    return store
+
+
+def image_sizes(ds: Dataset) -> dict[int, tuple[int, int]]:
+    """(height, width) of each dataset image whose file can be opened (header only)."""
+    out: dict[int, tuple[int, int]] = {}
+    if ds.images_root is None:
+        return out
+    for e in ds.images:
+        p = Path(ds.images_root) / e.file
+        try:
+            with Image.open(p) as im:
+                out[e.image_id] = (im.height, im.width)
+        except OSError:
+            continue
+    return out

@@ -1,0 +1,244 @@
+"""The ``capflow`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from captioning.config import ConfigError, PipelineConfig, describe_keys, dump_yaml, load_config, preset_names
+
+log = logging.getLogger("capflow")
+
+
+class CLIError(Exception):
+    """A user-facing error: printed without a traceback, exit status 2."""
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("configuration")
+    g.add_argument("--preset", help=f"named preset ({', '.join(preset_names())})")
+    g.add_argument("--config", metavar="FILE", help="YAML config file")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting, e.g. --set dataset.max_reject_fraction=0.05 (repeatable)")
+
+
+def _cfg(args: argparse.Namespace) -> PipelineConfig:
+    return load_config(args.preset, args.config, args.overrides)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.action == "show":
+        if args.name and (args.preset or args.config):
+            raise CLIError("give the preset either as an argument or with --preset/--config")
+        cfg = load_config(args.name or args.preset, args.config, args.overrides)
+        print(dump_yaml(cfg), end="")
+    elif args.action == "keys":
+        for key, default, desc in describe_keys():
+            print(f"{key} = {json.dumps(default, default=str)}\n    {desc}")
+    elif args.action == "presets":
+        print("\n".join(preset_names()))
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from captioning.data.prepare import ingest
+
+    cfg = _cfg(args)
+    ds = ingest(cfg, progress=not args.json)
+    out = cfg.workdir / "dataset"
+    ds.save(out / "dataset.json")
+    summary = ds.summary()
+    (out / "rejects.json").write_text(json.dumps(
+        {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"]}, indent=1,
+        ensure_ascii=False))
+    if args.json:
+        _print_json({k: summary[k] for k in ("images", "captions", "splits", "rejected", "digest")}
+                    | {"dropped_captions": summary["dropped_captions"], "entries": ds.entries,
+                       "files_checked": ds.files_checked, "output": str(out / "dataset.json")})
+    else:
+        print(f"ingested {summary['images']} images, {summary['captions']} captions from {ds.source}")
+        print("splits: " + ", ".join(f"{k} {v}" for k, v in summary["splits"].items()))
+        print(f"rejected {len(ds.rejected)} entries, dropped {len(ds.dropped_captions)} captions "
+              f"(list: {out / 'rejects.json'})")
+        for r in ds.rejected:
+            print(f"  images[{r.entry}] image_id={r.image_id} {r.file}: {r.reason}")
+        print(f"digest {ds.digest}")
+    return 0
+
+
+def cmd_vocab(args: argparse.Namespace) -> int:
+    from captioning.data.prepare import ingest, vocab_and_labels
+    from captioning.data.stores import FeatureStore
+
+    cfg = _cfg(args)
+    ds = ingest(cfg, progress=not args.json)
+    rows = None
+    if args.features:
+        rows = FeatureStore.open(args.features).row_of()
+    res = vocab_and_labels(cfg, ds, rows)
+    radix = res.vocab.radix()
+    info = {
+        "vocab": str(res.vocab_path),
+        "words": len(res.vocab.words),
+        "ids": len(res.vocab),
+        "min_count": res.vocab.min_count,
+        "radix": {"base": radix.base, "digits": radix.digits, "size": radix.size},
+        "labels": res.labels_uri,
+        "captions": res.captions,
+        "vocab_digest": res.vocab.digest(),
+        "dataset_digest": ds.digest,
+    }
+    if args.json:
+        _print_json(info)
+    else:
+        print(f"vocabulary: {info['words']} words (count >= {info['min_count']}) -> {info['vocab']}")
+        print(f"radix: base {radix.base}, {radix.digits} digits per word, {radix.size} output classes")
+        print(f"label store: {info['captions']} captions -> {info['labels']}")
+    return 0
+
+
+def cmd_import_features(args: argparse.Namespace) -> int:
+    from captioning.data.prepare import image_sizes, import_npy_features, ingest
+
+    cfg = _cfg(args)
+    root = Path(args.npy_root) if args.npy_root else None
+    att = Path(args.att_dir) if args.att_dir else (root / "cocobu_att" if root else None)
+    box = Path(args.box_dir) if args.box_dir else (root / "cocobu_box_relative" if root else None)
+    if att is None or box is None:
+        raise CLIError("give --npy-root (with cocobu_att/ and cocobu_box_relative/) or --att-dir and --box-dir")
+    for d in (att, box):
+        if not d.is_dir():
+            raise CLIError(f"{d} is not a folder")
+    sizes: dict[int, tuple[int, int]] = {}
+    if cfg.dataset.annotations:
+        ds = ingest(cfg, progress=False)
+        ids = [e.image_id for e in ds.images]
+        sizes = image_sizes(ds)
+    else:
+        ids = sorted(int(p.stem) for p in att.glob("*.npy") if p.stem.isdigit())
+        if not ids:
+            raise CLIError(f"no <image_id>.npy files in {att}")
+    uri = args.out or cfg.feature_store_uri()
+    f = cfg.features
+    store = import_npy_features(att, box, ids, uri, max_boxes=f.max_boxes, feature_dim=f.feature_dim,
+                                chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor,
+                                image_sizes=sizes, overwrite=args.overwrite, progress=not args.json)
+    summary = store.summary()
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"imported {summary['ok']} of {summary['images']} images into {uri} "
+              f"(boxes min {summary['boxes']['min']} mean {summary['boxes']['mean']:.1f} "
+              f"max {summary['boxes']['max']}); rejected {len(summary['rejected'])}")
+        for r in summary["rejected"]:
+            print(f"  image_id={r['image_id']}: {r['reason']}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.name == "loader":
+        from captioning.bench.loader import run
+
+        result = run(images=args.images, batch_size=args.batch_size, max_boxes=args.max_boxes,
+                     chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats, workdir=args.tmp)
+    else:  # pragma: no cover - argparse restricts choices
+        raise CLIError(f"unknown bench {args.name}")
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        for r in result["rows"]:
+            print(f"{r['source']:>7} {r['cache']:>5}  {r['batches_per_second']:8.2f} batches/s "
+                  f"({r['images_per_second']:.0f} images/s)")
+        for k, v in result["ratios"].items():
+            target = result.get("targets", {}).get(k)
+            print(f"{k}: {v:.2f}" + (f" (target >= {target})" if target else ""))
+    return 0
+
+
+# ---------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="capflow", description="Train and compare compact, fast image captioners.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("config", help="show presets and settings", description="Show presets and settings.")
+    c.add_argument("action", choices=["show", "keys", "presets"], help="show a config as YAML | list every key "
+                   "with its default and description | list presets")
+    c.add_argument("name", nargs="?", help="preset name (for show)")
+    _config_args(c)
+    c.set_defaults(func=cmd_config)
+
+    i = sub.add_parser("ingest", help="read and validate the dataset", description=(
+        "Read and validate the Karpathy-format dataset (dataset.annotations + dataset.images, or the synthetic "
+        "dataset when no annotations are set); write the normalised dataset and the reject list to the workdir."))
+    _config_args(i)
+    i.add_argument("--json", action="store_true", help="print a JSON summary")
+    i.set_defaults(func=cmd_ingest)
+
+    v = sub.add_parser("vocab", help="build the vocabulary and the label store", description=(
+        "Build vocab.json from the train split (count >= vocab.min_count) and labels.zarr with every caption."))
+    _config_args(v)
+    v.add_argument("--features", metavar="URI", help="feature store whose rows the labels point at "
+                   "(default: the dataset's own order)")
+    v.add_argument("--json", action="store_true", help="print a JSON summary")
+    v.set_defaults(func=cmd_vocab)
+
+    f = sub.add_parser("import-features", help="import per-image .npy features into a feature store",
+                       description=("Import bottom-up features in the per-image .npy layout (cocobu_att/{id}.npy, "
+                                    "cocobu_box_relative/{id}.npy) into a Zarr feature store. Image ids come from "
+                                    "dataset.annotations when set, else from the file names."))
+    _config_args(f)
+    f.add_argument("--npy-root", help="folder holding cocobu_att/ and cocobu_box_relative/")
+    f.add_argument("--att-dir", help="folder of {image_id}.npy region features (N x D)")
+    f.add_argument("--box-dir", help="folder of {image_id}.npy relative boxes (N x 4)")
+    f.add_argument("--out", metavar="URI", help="store to write (default: features.store or <workdir>/features)")
+    f.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    f.add_argument("--json", action="store_true", help="print a JSON summary")
+    f.set_defaults(func=cmd_import_features)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
+                       description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
+    b.add_argument("name", choices=["loader"], help="loader: Zarr store vs per-image .npy vs memory")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--images", type=int, default=1000, help="images in the synthetic feature set")
+    b.add_argument("--batch-size", type=int, default=50, help="images per batch")
+    b.add_argument("--max-boxes", type=int, default=100, help="B_max (boxes per image drawn from 10..B_max)")
+    b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")
+    b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    b.add_argument("--repeats", type=int, default=2, help="timed passes per source and cache state")
+    b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    func: Callable[[argparse.Namespace], int] = args.func
+    from captioning.data.karpathy import DatasetError
+    from captioning.data.stores import StoreError
+
+    try:
+        return func(args)
+    except (ConfigError, DatasetError, StoreError, CLIError) as e:
+        print(f"capflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
