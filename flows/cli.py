@@ -150,7 +150,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from captioning.bench.loader import run
 
         result = run(images=args.images, batch_size=args.batch_size, max_boxes=args.max_boxes,
-                     chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats, workdir=args.tmp)
+                     chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats, epochs=args.epochs,
+                     workdir=args.tmp)
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
@@ -216,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")
     b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     b.add_argument("--repeats", type=int, default=2, help="timed passes per source and cache state")
+    b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
     b.set_defaults(func=cmd_bench)
     return p

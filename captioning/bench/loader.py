@@ -41,7 +41,6 @@ def _drop_cache(root: Path) -> int:
         for f in files:
             fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
             try:
-                os.fdatasync(fd) if False else None
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
@@ -85,19 +84,27 @@ def make_data(root: Path, images: int, max_boxes: int, dim: int, chunk_rows: int
             "att": att, "box": box}
 
 
-def _time_epoch(ds: CaptionDataset, batch_size: int, workers: int) -> tuple[float, int, float]:
+def _time_epochs(ds: CaptionDataset, batch_size: int, workers: int, epochs: int,
+                 before_epoch=None) -> tuple[float, int, float]:
+    """Seconds, batches and a checksum of the features delivered, over ``epochs`` passes (reshuffled each)."""
     loader = make_loader(ds, batch_size, workers=workers)
-    t0 = time.perf_counter()
     n = 0
     checksum = 0.0
-    for batch in loader:
-        n += 1
-        checksum += float(batch.features[:, 0, :4].float().sum())
-    return time.perf_counter() - t0, n, checksum
+    seconds = 0.0
+    for epoch in range(epochs):
+        if before_epoch is not None:
+            before_epoch()
+        ds.set_epoch(epoch)
+        t0 = time.perf_counter()
+        for batch in loader:
+            n += 1
+            checksum += float(batch.features[..., :8].double().sum()) + float(batch.boxes.double().sum())
+        seconds += time.perf_counter() - t0
+    return seconds, n, checksum
 
 
 def run(images: int = 1000, batch_size: int = 50, max_boxes: int = 100, dim: int = 2048, chunk_rows: int = 8,
-        workers: int = 0, repeats: int = 2, workdir: str | None = None) -> dict:
+        workers: int = 0, repeats: int = 2, epochs: int = 2, workdir: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-loader-") as tmp:
         root = Path(tmp)
         data = make_data(root, images, max_boxes, dim, chunk_rows)
@@ -110,25 +117,27 @@ def run(images: int = 1000, batch_size: int = 50, max_boxes: int = 100, dim: int
         }
         rows = []
         best: dict[tuple[str, str], float] = {}
-        checks = {}
+        checks: dict[str, float] = {}
         for cache in ("warm", "cold"):
             for name, (make, files) in sources.items():
                 if cache == "cold" and files is None:
                     continue  # memory has no files: its warm number is the limit for both
-                for rep in range(repeats + (1 if cache == "warm" else 0)):
-                    if cache == "cold":
-                        _drop_cache(files)
-                    ds = CaptionDataset(make(), labels=labels, split="train", captions_per_image=5,
-                                        shuffle=True, seed=0)
-                    ds.set_epoch(rep)
-                    sec, n, chk = _time_epoch(ds, batch_size, workers)
-                    if cache == "warm" and rep == 0:
-                        continue  # first warm pass fills the page cache and warms up the code paths
+                drop = (lambda f=files: _drop_cache(f)) if cache == "cold" else None
+                ds = CaptionDataset(make(), labels=labels, split="train", captions_per_image=5, shuffle=True, seed=0)
+                if cache == "warm":
+                    _time_epochs(ds, batch_size, workers, 1)  # fills the page cache, warms up code paths
+                for rep in range(repeats):
+                    sec, n, chk = _time_epochs(ds, batch_size, workers, epochs, drop)
                     bps = n / sec
-                    rows.append({"source": name, "cache": cache, "repeat": rep, "batches": n, "seconds": sec,
-                                 "batches_per_second": bps, "images_per_second": n * batch_size / sec})
+                    rows.append({"source": name, "cache": cache, "repeat": rep, "workers": workers, "batches": n,
+                                 "seconds": sec, "batches_per_second": bps, "images_per_second": bps * batch_size})
                     best[(name, cache)] = max(best.get((name, cache), 0.0), bps)
-                    checks.setdefault(name, chk) if rep == 1 else None
+                    checks.setdefault(name, chk)
+        # every source delivered the same features (same shuffles): otherwise the comparison is void
+        ref = checks["memory"]
+        for name, chk in checks.items():
+            if abs(chk - ref) > 1e-6 * max(1.0, abs(ref)):
+                raise RuntimeError(f"source {name} delivered different data (checksum {chk} vs {ref})")
         mem = best[("memory", "warm")]
         ratios = {
             "zarr_vs_npy": best[("zarr", "cold")] / best[("npy", "cold")],
@@ -140,7 +149,7 @@ def run(images: int = 1000, batch_size: int = 50, max_boxes: int = 100, dim: int
             "bench": "loader",
             "machine": machine_info(),
             "params": {"images": images, "batch_size": batch_size, "max_boxes": max_boxes, "feature_dim": dim,
-                       "chunk_rows": chunk_rows, "workers": workers, "repeats": repeats,
+                       "chunk_rows": chunk_rows, "workers": workers, "repeats": repeats, "epochs": epochs,
                        "captions_per_image": 5},
             "rows": rows,
             "ratios": ratios,

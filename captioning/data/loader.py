@@ -79,19 +79,26 @@ class FeatureSource:
 
 
 class ZarrFeatures(FeatureSource):
-    _handles = ("_store", "_ids", "_status")
+    """Reads blocks of ``block_chunks`` consecutive row chunks with one call per array (Zarr fetches and decodes
+    the chunks of one call concurrently), only up to the block's largest box count, and copies each image's
+    real boxes out so that the shuffle buffer never pins whole decoded blocks in memory."""
 
-    def __init__(self, uri: str):
+    _handles = ("_store", "_ids", "_status", "_num_boxes")
+
+    def __init__(self, uri: str, block_chunks: int = 8):
         super().__init__()
         self.uri = uri
+        self.block_chunks = block_chunks
         self._store: FeatureStore | None = None
         self._ids: np.ndarray | None = None
         self._status: np.ndarray | None = None
+        self._num_boxes: np.ndarray | None = None
 
     def _open(self) -> None:
         self._store = FeatureStore.open(self.uri)
         self._ids = self._store.image_ids()
         self._status = self._store.status()
+        self._num_boxes = self._store.num_boxes()
 
     @property
     def store(self) -> FeatureStore:
@@ -111,21 +118,23 @@ class ZarrFeatures(FeatureSource):
         return np.flatnonzero(self._status == OK)
 
     def blocks(self, rows: np.ndarray) -> list[np.ndarray]:
-        c = self.store.chunk_rows
+        c = self.store.chunk_rows * self.block_chunks
         rows = np.sort(rows)
         cut = np.flatnonzero(np.diff(rows // c)) + 1
         return np.split(rows, cut) if len(rows) else []
 
     def read(self, rows: np.ndarray) -> Rows:
+        self._ensure_open()
         start, stop = int(rows[0]), int(rows[-1]) + 1
-        blk = self.store.read_block(start, stop)
+        nb = self._num_boxes[rows]
+        width = max(int(nb.max()), 1)
+        feats, boxes = self.store.read_features(start, stop, width)
         local = rows - start
-        nb = blk.num_boxes[local]
         return Rows(
             rows=rows,
-            image_ids=blk.image_id[local],
-            features=[blk.features[i, :n] for i, n in zip(local, nb, strict=True)],
-            boxes=[blk.boxes[i, :n] for i, n in zip(local, nb, strict=True)],
+            image_ids=self._ids[rows],
+            features=[feats[i, :n].copy() for i, n in zip(local, nb, strict=True)],
+            boxes=[boxes[i, :n].copy() for i, n in zip(local, nb, strict=True)],
         )
 
 

@@ -252,6 +252,14 @@ class FeatureStore:
             image_size=a["image_size"][start:stop],
         )
 
+    def read_features(self, start: int, stop: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """features (n, width, D) and boxes (n, width, 4) of rows start..stop, boxes past ``width`` not copied."""
+        w = self.max_boxes if width is None else width
+        return self._a["features"][start:stop, :w], self._a["boxes"][start:stop, :w]
+
+    def num_boxes(self) -> np.ndarray:
+        return self._a["num_boxes"][:].astype(np.int64)
+
     def rejects(self) -> list[dict[str, Any]]:
         st = self.status()
         rows = np.flatnonzero(st == REJECTED)
