@@ -51,7 +51,7 @@ def _drop_cache(root: Path) -> int:
 def make_data(root: Path, images: int, max_boxes: int, dim: int, chunk_rows: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     ids = np.arange(1, images + 1, dtype=np.int64) * 7
-    nb = rng.integers(10, max_boxes + 1, size=images)
+    nb = rng.integers(min(10, max_boxes), max_boxes + 1, size=images)
     feats = np.zeros((images, max_boxes, dim), np.float16)
     boxes = np.zeros((images, max_boxes, 4), np.float32)
     att, box = root / "npy" / "att", root / "npy" / "box"

@@ -321,7 +321,8 @@ def read_karpathy(
         sentences = _require(entry, "sentences", idx, path, (list,))
         if image_id in first_seen:
             rejected.append(
-                Rejection(idx, image_id, rel, f"duplicate image_id {image_id} (first at images[{first_seen[image_id]}])")
+                Rejection(idx, image_id, rel,
+                          f"duplicate image_id {image_id} (first at images[{first_seen[image_id]}])")
             )
             continue
         first_seen[image_id] = idx

@@ -55,6 +55,8 @@ def _open_group(uri: str, mode: str):
         return zarr.open_group(store=uri, mode=mode, storage_options=storage_options_for(uri), zarr_format=3)
     except FileNotFoundError:
         raise StoreError(f"no Zarr store at {uri}") from None
+    except FileExistsError:
+        raise StoreError(f"a store already exists at {uri} (remove it or ask to overwrite)") from None
 
 
 def _compressors(name: str, itemsize: int):
@@ -223,7 +225,9 @@ class FeatureStore:
             )
         b, d = self.max_boxes, self.feature_dim
         if features.shape != (n, b, d) or boxes.shape != (n, b, 4):
-            raise StoreError(f"expected features {(n, b, d)} and boxes {(n, b, 4)}, got {features.shape}, {boxes.shape}")
+            raise StoreError(
+                f"expected features {(n, b, d)} and boxes {(n, b, 4)}, got {features.shape}, {boxes.shape}"
+            )
         nb = np.asarray(num_boxes)
         if np.any(nb < 0) or np.any(nb > b):
             raise StoreError(f"num_boxes outside 0..{b}")

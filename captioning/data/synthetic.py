@@ -11,6 +11,7 @@ an image never depends on how many images are generated, and the same seed alway
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -485,7 +486,7 @@ class _Captioner:
         horizontal = self.chance(0.6)
         lo, hi = (0, 2) if horizontal else (1, 3)
         ordered = sorted(self.objects, key=lambda o: o.bbox[lo])
-        if any(p.bbox[hi] > q.bbox[lo] for p, q in zip(ordered, ordered[1:], strict=False)):
+        if any(p.bbox[hi] > q.bbox[lo] for p, q in itertools.pairwise(ordered)):
             return None  # not strictly ordered along this axis
         body = self.join([self.phrase(o, self.chance(0.3)) for o in ordered])
         direction = "from left to right" if horizontal else "from top to bottom"

@@ -1,0 +1,145 @@
+import numpy as np
+import pytest
+import zarr
+
+from captioning.data.stores import (
+    FEATURE_SCHEMA,
+    OK,
+    PENDING,
+    REJECTED,
+    FeatureStore,
+    LabelStore,
+    StoreError,
+)
+
+
+def _rows(n, b=6, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    nb = rng.integers(1, b + 1, size=n)
+    f = np.zeros((n, b, d), np.float32)
+    bx = np.zeros((n, b, 4), np.float32)
+    for i in range(n):
+        f[i, : nb[i]] = rng.standard_normal((nb[i], d))
+        bx[i, : nb[i]] = rng.random((nb[i], 4))
+    return f, bx, nb
+
+
+def _store(tmp_path, n=10, chunk=4, **kw):
+    return FeatureStore.create(str(tmp_path / "f.zarr"), np.arange(100, 100 + n), max_boxes=6, feature_dim=16,
+                               chunk_rows=chunk, **kw)
+
+
+def test_schema_and_layout(tmp_path):
+    s = _store(tmp_path, attrs={"dataset_digest": "abc"})
+    g = zarr.open_group(str(tmp_path / "f.zarr"), mode="r")
+    assert g.attrs["schema"] == FEATURE_SCHEMA and g.attrs["dataset_digest"] == "abc"
+    assert g["features"].dtype == np.float16 and g["features"].shape == (10, 6, 16)
+    assert g["features"].chunks == (4, 6, 16)  # chunks span whole rows
+    assert g["boxes"].dtype == np.float32 and g["num_boxes"].dtype == np.int16
+    assert g["image_size"].dtype == np.int32 and g["image_id"].dtype == np.int64 and g["status"].dtype == np.int8
+    assert s.num_chunks == 3 and s.chunk_range(2) == (8, 10)
+    assert s.status().tolist() == [PENDING] * 10
+    assert s.pending_chunks() == [0, 1, 2]
+    with pytest.raises(StoreError):  # exists already
+        _store(tmp_path)
+
+
+def test_write_whole_chunks_and_read_back(tmp_path):
+    s = _store(tmp_path)
+    f, bx, nb = _rows(10)
+    st = np.full(10, OK, np.int8)
+    st[3] = REJECTED
+    reasons = [""] * 10
+    reasons[3] = "truncated JPEG"
+    for c in range(s.num_chunks):
+        a, b = s.chunk_range(c)
+        s.write_rows(a, features=f[a:b], boxes=bx[a:b], num_boxes=nb[a:b], image_size=np.full((b - a, 2), 7),
+                     status=st[a:b], reject_reason=reasons[a:b])
+    r = FeatureStore.open(str(tmp_path / "f.zarr"))
+    blk = r.read_block(0, 10)
+    assert np.array_equal(blk.features, f.astype(np.float16))
+    assert np.array_equal(blk.boxes, bx) and blk.num_boxes.tolist() == nb.tolist()
+    assert r.rejects() == [{"row": 3, "image_id": 103, "reason": "truncated JPEG"}]
+    summ = r.summary()
+    assert summ["ok"] == 9 and summ["pending"] == 0 and summ["boxes"]["max"] == int(nb[st == OK].max())
+    assert r.pending_chunks() == []
+    assert r.row_of()[105] == 5
+    m1 = r.manifest()["digest"]
+    assert m1 == FeatureStore.open(str(tmp_path / "f.zarr")).manifest()["digest"]
+
+
+def test_write_contract_is_enforced(tmp_path):
+    s = _store(tmp_path)
+    f, bx, nb = _rows(4)
+    ok = np.full(4, OK, np.int8)
+    with pytest.raises(StoreError, match="whole chunks"):
+        s.write_rows(2, features=f, boxes=bx, num_boxes=nb, image_size=np.zeros((4, 2)), status=ok)
+    with pytest.raises(StoreError, match="final status"):
+        s.write_rows(0, features=f, boxes=bx, num_boxes=nb, image_size=np.zeros((4, 2)),
+                     status=np.zeros(4, np.int8))
+    with pytest.raises(StoreError, match="expected features"):
+        s.write_rows(0, features=f[:, :, :8], boxes=bx, num_boxes=nb, image_size=np.zeros((4, 2)), status=ok)
+    with pytest.raises(StoreError, match="num_boxes"):
+        s.write_rows(0, features=f, boxes=bx, num_boxes=np.full(4, 7), image_size=np.zeros((4, 2)), status=ok)
+    # the last, partial chunk may be written as it is
+    f2, bx2, nb2 = _rows(2)
+    s.write_rows(8, features=f2, boxes=bx2, num_boxes=nb2, image_size=np.zeros((2, 2)), status=np.full(2, OK))
+    assert s.status().tolist() == [PENDING] * 8 + [OK] * 2
+    assert s.pending_chunks() == [0, 1]
+
+
+def test_append_keeps_existing_rows(tmp_path):
+    s = _store(tmp_path, n=4)
+    f, bx, nb = _rows(4)
+    s.write_rows(0, features=f, boxes=bx, num_boxes=nb, image_size=np.zeros((4, 2)), status=np.full(4, OK))
+    new = s.append_images([500, 501, 502])
+    assert list(new) == [4, 5, 6]
+    r = FeatureStore.open(str(tmp_path / "f.zarr"))
+    assert r.num_rows == 7 and r.image_ids().tolist() == [100, 101, 102, 103, 500, 501, 502]
+    assert r.status().tolist() == [OK] * 4 + [PENDING] * 3
+    assert np.array_equal(r.read_block(0, 4).features, f.astype(np.float16))
+    assert r.pending_chunks() == [1]
+    with pytest.raises(StoreError, match="already in the store"):
+        s.append_images([101])
+
+
+def test_open_rejects_foreign_groups(tmp_path):
+    zarr.open_group(str(tmp_path / "x.zarr"), mode="w").attrs["schema"] = "other"
+    with pytest.raises(StoreError, match="not a capflow feature store"):
+        FeatureStore.open(str(tmp_path / "x.zarr"))
+    with pytest.raises(StoreError, match="no Zarr store"):
+        FeatureStore.open(str(tmp_path / "missing.zarr"))
+    assert not FeatureStore.exists(str(tmp_path / "missing.zarr"))
+    with pytest.raises(StoreError, match="unique"):
+        FeatureStore.create(str(tmp_path / "d.zarr"), [1, 1], max_boxes=2)
+
+
+def test_float32_store_is_exact(tmp_path):
+    s = _store(tmp_path, n=4, dtype="float32", compressor="zstd")
+    f, bx, nb = _rows(4)
+    s.write_rows(0, features=f, boxes=bx, num_boxes=nb, image_size=np.zeros((4, 2)), status=np.full(4, OK))
+    assert np.array_equal(FeatureStore.open(s.uri).read_block(0, 4).features, f)
+
+
+def test_label_store_round_trip_and_sources(tmp_path):
+    tokens = np.array([[5, 6, 0], [7, 0, 0], [5, 5, 5]], np.int32)
+    uri = str(tmp_path / "labels.zarr")
+    s = LabelStore.create(uri, tokens, np.array([2, 1, 3]), np.array([0, 0, 1]), np.array([9, 9, 4]),
+                          np.array([0, 0, 2]), attrs={"vocab_digest": "v"})
+    lab = LabelStore.open(uri).read()
+    assert np.array_equal(lab.tokens, tokens) and lab.length.tolist() == [2, 1, 3]
+    assert lab.image_row.tolist() == [0, 0, 1] and lab.image_id.tolist() == [9, 9, 4]
+    assert lab.split.tolist() == [0, 0, 2] and lab.source.tolist() == [0, 0, 0]
+    assert lab.sources == {0: "ground_truth"}
+    d0 = s.digest()
+    code = s.add_source("seqkd:teacher-run-1", np.array([[8, 9, 0]]), np.array([2]), np.array([1]),
+                        np.array([4]), np.array([0]))
+    assert code == 1
+    lab = LabelStore.open(uri).read()
+    assert lab.sources == {0: "ground_truth", 1: "seqkd:teacher-run-1"}
+    assert lab.source.tolist() == [0, 0, 0, 1] and lab.tokens[3].tolist() == [8, 9, 0]
+    assert s.digest() != d0
+    with pytest.raises(StoreError, match="already present"):
+        s.add_source("seqkd:teacher-run-1", np.array([[1, 0, 0]]), [1], [0], [9], [0])
+    with pytest.raises(StoreError, match="width"):
+        s.add_source("other", np.array([[1, 0]]), [1], [0], [9], [0])
