@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # numbers given for text settings (--set run.name=2024) are taken as text
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class RunConfig(Section):
@@ -226,7 +227,7 @@ def _read_yaml(text: str, origin: str) -> dict[str, Any]:
 def preset_dict(name: str) -> dict[str, Any]:
     if name not in preset_names():
         raise ConfigError(f"unknown preset {name!r}; available: {', '.join(preset_names())}")
-    text = resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text()
+    text = resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text(encoding="utf-8")
     return _read_yaml(text, f"preset {name}")
 
 
@@ -279,7 +280,7 @@ def load_config(
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        data, origin = _read_yaml(p.read_text(), str(p)), str(p)
+        data, origin = _read_yaml(p.read_text(encoding="utf-8"), str(p)), str(p)
     for item in overrides:
         keys, value = parse_override(item)
         _set_path(data, keys, value, item)

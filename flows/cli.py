@@ -60,7 +60,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     summary = ds.summary()
     (out / "rejects.json").write_text(json.dumps(
         {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"]}, indent=1,
-        ensure_ascii=False))
+        ensure_ascii=False), encoding="utf-8")
     if args.json:
         _print_json({k: summary[k] for k in ("images", "captions", "splits", "rejected", "digest")}
                     | {"dropped_captions": summary["dropped_captions"], "entries": ds.entries,

@@ -140,7 +140,9 @@ def test_unknown_key_in_file(tmp_path: Path, data: dict, key: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "item", ["bogus=1", "run.wrokdir=x", "dataset.synthetic.num_imgs=3", "features.extractor.weight=a", "dataset.features.dtype=float32"]
+    "item",
+    ["bogus=1", "run.wrokdir=x", "dataset.synthetic.num_imgs=3", "features.extractor.weight=a",
+     "dataset.features.dtype=float32"],
 )
 def test_unknown_key_in_override(item: str) -> None:
     key = item.split("=")[0]
@@ -329,3 +331,8 @@ def test_section_digest() -> None:
     assert same_section_changed.digest("dataset.synthetic") != base.digest("dataset.synthetic")
     assert same_section_changed.digest("dataset") != base.digest("dataset")
     assert base.digest("dataset.synthetic") != base.digest("dataset")
+
+
+def test_numbers_for_text_settings_are_text() -> None:
+    cfg = load_config(overrides=["run.name=2024", "tracking.model_name=7"])
+    assert cfg.run.name == "2024" and cfg.tracking.model_name == "7"

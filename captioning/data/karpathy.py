@@ -66,6 +66,7 @@ class Dataset:
     images: list[ImageEntry]
     rejected: list[Rejection] = field(default_factory=list)
     dropped_captions: list[Rejection] = field(default_factory=list)
+    excluded: list[Rejection] = field(default_factory=list)  # good entries left out by config (restval=drop)
     source: str = ""
     images_root: str | None = None
     files_checked: bool = False
@@ -95,6 +96,7 @@ class Dataset:
             "dropped_captions": [
                 {"image_id": r.image_id, "sentid": r.sentid, "reason": r.reason} for r in self.dropped_captions
             ],
+            "excluded": len(self.excluded),
             "files_checked": self.files_checked,
             "digest": self.digest,
         }
@@ -118,21 +120,23 @@ class Dataset:
             "images": [asdict(e) for e in self.images],
             "rejected": [asdict(r) for r in self.rejected],
             "dropped_captions": [asdict(r) for r in self.dropped_captions],
+            "excluded": [asdict(r) for r in self.excluded],
         }
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(data, ensure_ascii=False))
+        tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
         tmp.replace(path)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> Dataset:
-        d = json.loads(Path(path).read_text())
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
         if d.get("format") != FORMAT_VERSION:
             raise DatasetError(f"{path}: not a normalised capflow dataset (format {d.get('format')!r})")
         return cls(
             images=[ImageEntry(**e) for e in d["images"]],
             rejected=[Rejection(**r) for r in d["rejected"]],
             dropped_captions=[Rejection(**r) for r in d["dropped_captions"]],
+            excluded=[Rejection(**r) for r in d.get("excluded", [])],
             source=d["source"],
             images_root=d["images_root"],
             files_checked=d["files_checked"],
@@ -151,7 +155,7 @@ class FileHashCache:
         self._data: dict[str, list] = {}
         if self.path and self.path.is_file():
             try:
-                self._data = json.loads(self.path.read_text())
+                self._data = json.loads(self.path.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
                 log.warning("ignoring unreadable hash cache %s", self.path)
 
@@ -176,7 +180,7 @@ class FileHashCache:
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._data))
+            tmp.write_text(json.dumps(self._data), encoding="utf-8")
             tmp.replace(self.path)
 
 
@@ -287,6 +291,10 @@ def read_karpathy(
     progress: bool = False,
 ) -> Dataset:
     """Read and validate a Karpathy JSON (+ images root when given). See the module docstring."""
+    if restval_split not in (*SPLITS, "drop"):
+        raise ValueError(f"restval_split must be one of train/val/test/drop, got {restval_split!r}")
+    if image_check not in _CHECK_LEVEL:
+        raise ValueError(f"image_check must be one of {sorted(_CHECK_LEVEL)}, got {image_check!r}")
     path = Path(annotations)
     doc = _load_json(path)
     if not isinstance(doc, dict):
@@ -299,6 +307,7 @@ def read_karpathy(
 
     rejected: list[Rejection] = []
     dropped: list[Rejection] = []
+    excluded: list[Rejection] = []
     candidates: list[tuple[int, ImageEntry]] = []
     first_seen: dict[int, int] = {}
     for idx, entry in enumerate(raw_images):
@@ -328,6 +337,7 @@ def read_karpathy(
         first_seen[image_id] = idx
         if split == "restval":
             if restval_split == "drop":
+                excluded.append(Rejection(idx, image_id, rel, "restval entry excluded (dataset.restval_split=drop)"))
                 continue
             split = restval_split
         caps: list[str] = []
@@ -383,6 +393,7 @@ def read_karpathy(
         images=sorted(kept, key=lambda e: e.image_id),
         rejected=rejected,
         dropped_captions=dropped,
+        excluded=excluded,
         source=str(path),
         images_root=str(images_root) if images_root is not None else None,
         files_checked=files_checked,

@@ -37,7 +37,7 @@ def synthetic_dataset(cfg: PipelineConfig, progress: bool = False) -> tuple[Path
             png_fraction=s.png_fraction, val_fraction=s.val_fraction, test_fraction=s.test_fraction,
             progress=progress,
         )
-        done.write_text(json.dumps(s.model_dump()))
+        done.write_text(json.dumps(s.model_dump()), encoding="utf-8")
     return ann, out / "images"
 
 

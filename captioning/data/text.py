@@ -137,7 +137,7 @@ class Vocabulary:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=1))
+        tmp.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=1), encoding="utf-8")
         tmp.replace(path)
         return path
 
@@ -145,7 +145,7 @@ class Vocabulary:
     def load(cls, path: str | Path) -> Vocabulary:
         path = Path(path)
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read vocabulary {path}: {e}") from e
         if d.get("format") != "capflow-vocab/1":

@@ -160,7 +160,7 @@ def karpathy_test(external: Path) -> tuple[Path, dict, Dataset]:
 
 
 def test_real_test_split_ingests_completely(karpathy_test) -> None:
-    path, doc, ds = karpathy_test
+    _, doc, ds = karpathy_test
     s = ds.summary()
     assert s["images"] == KARPATHY_TEST_IMAGES
     assert s["captions"] == KARPATHY_TEST_CAPTIONS
@@ -222,7 +222,7 @@ def test_real_digest_stable_and_content_sensitive(karpathy_test, tmp_path: Path)
     reformatted.write_text(json.dumps(doc, indent=1), encoding="utf-8")
     assert read_karpathy(reformatted).digest == ds.digest
     # one caption changed: other digest, and only that image differs
-    changed = copy.deepcopy(doc)
+    changed = json.loads(path.read_text(encoding="utf-8"))
     target = changed["images"][1234]
     target["sentences"][2]["raw"] = "A purple elephant playing the violin on a boat."
     modified = tmp_path / "modified.json"
@@ -282,6 +282,10 @@ def test_excerpt_restval_split(external: Path, tmp_path: Path, restval: str, spl
     assert ds.rejected == []
     if restval != "drop":
         assert next(e.split for e in ds.images if e.image_id == 522418) == restval
+        assert ds.excluded == []
+    else:  # left out by configuration, but on record
+        assert [(r.image_id, "restval_split=drop" in r.reason) for r in ds.excluded] == [(522418, True)]
+        assert ds.summary()["excluded"] == 1
 
 
 def test_real_jpegs_pass_and_their_halves_fail(external: Path) -> None:
@@ -480,7 +484,26 @@ def without(d: dict, key: str) -> dict:
 
 def test_annotations_only_minimal(tmp_path: Path) -> None:
     ds = read_karpathy(write_doc(tmp_path, {"images": [minimal_entry()]}))
-    assert [(e.image_id, e.file, e.split, e.captions) for e in ds.images] == [(7, "shapes/a.jpg", "train", ["a red circle"])]
+    got = [(e.image_id, e.file, e.split, e.captions, e.sentids) for e in ds.images]
+    assert got == [(7, "shapes/a.jpg", "train", ["a red circle"], [0])]
+
+
+def test_sentence_forms(tmp_path: Path) -> None:
+    """tokens are used when raw is absent; sentences that are not objects or have no text are dropped."""
+    sentences = [
+        {"tokens": ["A", "Blue", "square"], "sentid": 10},
+        "a bare string",
+        {"sentid": 12},
+        {"raw": "Two green crosses!", "sentid": 13},
+    ]
+    doc = {"images": [minimal_entry(sentences=sentences), minimal_entry(cocoid=8, sentences=["x", 3])]}
+    ds = read_karpathy(write_doc(tmp_path, doc), max_reject_fraction=0.5)
+    (e,) = ds.images
+    assert (e.image_id, e.captions, e.sentids) == (7, ["a blue square", "two green crosses"], [10, 13])
+    drops = [(r.image_id, r.sentid, r.reason) for r in ds.dropped_captions]
+    assert drops[:2] == [(7, 1, "sentence is not an object"), (7, 12, "sentence has neither 'raw' text nor 'tokens'")]
+    assert [(r.image_id, r.entry) for r in ds.rejected] == [(8, 1)]
+    assert "no captions" in ds.rejected[0].reason
 
 
 def test_malformed_json_names_line_and_column(tmp_path: Path) -> None:

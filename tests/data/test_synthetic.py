@@ -170,7 +170,7 @@ def check_caption(raw: str, objects: list[Obj]) -> None:
     for k in range(len(tokens) - 1):
         if tokens[k] in ("bigger", "larger", "smaller") and tokens[k + 1] == "than":
             subj = [m for m in mentions if m.end <= k][-1]
-            obj = [m for m in mentions if m.start >= k + 2][0]
+            obj = next(m for m in mentions if m.start >= k + 2)
             big_first = tokens[k] != "smaller"
             ok = any(
                 subj.matches(a) and obj.matches(b) and (a.size, b.size) == (
