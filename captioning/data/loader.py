@@ -138,16 +138,13 @@ class ZarrFeatures(FeatureSource):
         )
 
 
-class NpyFeatures(FeatureSource):
-    """Per-image ``.npy`` files: ``att_dir/{id}.npy`` (N x D float32) and ``box_dir/{id}.npy`` (N x 4)."""
+class _ListedRows(FeatureSource):
+    """A source whose rows are a given list of image ids, every row usable, read in fixed-size blocks."""
 
-    def __init__(self, att_dir: str | Path, box_dir: str | Path, image_ids: Sequence[int], block_rows: int = 8,
-                 dtype: str = "float16"):
+    def __init__(self, image_ids: Sequence[int], block_rows: int):
         super().__init__()
-        self.att_dir, self.box_dir = Path(att_dir), Path(box_dir)
         self.ids = np.asarray(image_ids, dtype=np.int64)
         self.block_rows = block_rows
-        self.dtype = np.dtype(dtype)
 
     def _open(self) -> None:
         pass
@@ -165,6 +162,16 @@ class NpyFeatures(FeatureSource):
         rows = np.sort(rows)
         return [rows[i : i + self.block_rows] for i in range(0, len(rows), self.block_rows)]
 
+
+class NpyFeatures(_ListedRows):
+    """Per-image ``.npy`` files: ``att_dir/{id}.npy`` (N x D float32) and ``box_dir/{id}.npy`` (N x 4)."""
+
+    def __init__(self, att_dir: str | Path, box_dir: str | Path, image_ids: Sequence[int], block_rows: int = 8,
+                 dtype: str = "float16"):
+        super().__init__(image_ids, block_rows)
+        self.att_dir, self.box_dir = Path(att_dir), Path(box_dir)
+        self.dtype = np.dtype(dtype)
+
     def read(self, rows: np.ndarray) -> Rows:
         ids = self.ids[rows]
         feats = [np.load(self.att_dir / f"{i}.npy").astype(self.dtype, copy=False) for i in ids]
@@ -172,29 +179,13 @@ class NpyFeatures(FeatureSource):
         return Rows(rows=rows, image_ids=ids, features=feats, boxes=boxes)
 
 
-class MemoryFeatures(FeatureSource):
+class MemoryFeatures(_ListedRows):
     """Padded arrays held in memory (same layout as the store): the throughput limit for the loader."""
 
     def __init__(self, features: np.ndarray, boxes: np.ndarray, num_boxes: np.ndarray, image_ids: np.ndarray,
                  block_rows: int = 8):
-        super().__init__()
+        super().__init__(image_ids, block_rows)
         self.features, self.boxes, self.num_boxes = features, boxes, np.asarray(num_boxes, np.int64)
-        self.ids = np.asarray(image_ids, np.int64)
-        self.block_rows = block_rows
-
-    def _open(self) -> None:
-        pass
-
-    def num_rows(self) -> int:
-        return len(self.ids)
-
-    def image_ids(self) -> np.ndarray:
-        return self.ids
-
-    def ok_rows(self) -> np.ndarray:
-        return np.arange(len(self.ids))
-
-    blocks = NpyFeatures.blocks
 
     def read(self, rows: np.ndarray) -> Rows:
         nb = self.num_boxes[rows]
