@@ -82,6 +82,16 @@ class ExtractorConfig(Section):
     nms_threshold: float = Field(0.3, ge=0, le=1, description="Per-class NMS IoU threshold")
     amp: bool = Field(False, description="Mixed precision inference on CUDA")
     batch_size: int = Field(2, ge=1, description="Images per forward pass")
+    device: str = Field("auto", description="Extraction device: auto (CUDA when present), cpu, cuda, cuda:N")
+    seed: int = Field(0, description="Seed of the random detector weights used when no weights are given")
+    threads: int = Field(
+        1, ge=1, description="CPU threads per model (per Dask worker); CPU results are bit-identical per value"
+    )
+    fixed_boxes: int | None = Field(None, ge=1, description="Keep exactly this many boxes (e.g. 36); unset = adaptive")
+    min_image_side: int = Field(16, ge=1, description="Images with a shorter side are rejected as too small")
+    max_image_pixels: int = Field(
+        100_000_000, ge=1, description="Images with more pixels are rejected (decompression-bomb guard)"
+    )
 
 
 class FeaturesConfig(Section):

@@ -145,21 +145,60 @@ def cmd_import_features(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_extract(args: argparse.Namespace) -> int:
+    from captioning.data.prepare import ingest
+    from captioning.features.parallel import extract_features, store_uri
+
+    cfg = _cfg(args)
+    ds = ingest(cfg, progress=not args.json)
+    uri = args.out or store_uri(cfg)
+    if not args.resume:
+        _remove_store(uri)
+    res = extract_features(cfg, ds, workers=args.workers, uri=uri, progress=not args.json)
+    if args.json:
+        _print_json(res.to_json())
+        return 0
+    b = res.boxes
+    print(f"feature store: {res.store}")
+    print(f"images {res.images}: ok {res.ok}, rejected {len(res.rejected)}; extracted now {res.extracted} "
+          f"({res.skipped_chunks} chunks already done, {res.appended} rows added)")
+    print(f"boxes per image: min {b['min']} mean {b['mean']:.1f} max {b['max']}; "
+          f"{res.seconds_per_image:.3f} s per extracted image")
+    for r in res.rejected:
+        print(f"  rejected image_id={r['image_id']}: {r['reason']}")
+    return 0
+
+
+def _remove_store(uri: str) -> None:
+    import fsspec
+
+    from captioning.data.stores import storage_options_for
+
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options_for(uri) or {}))
+    if fs.exists(path):
+        log.warning("removing %s (--no-resume)", uri)
+        fs.rm(path, recursive=True)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "loader":
         from captioning.bench.loader import run
 
-        result = run(images=args.images, batch_size=args.batch_size, max_boxes=args.max_boxes,
+        result = run(images=args.images or 1000, batch_size=args.batch_size, max_boxes=args.max_boxes,
                      chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats, epochs=args.epochs,
                      workdir=args.tmp)
+    elif args.name == "extract":
+        from captioning.bench.extract import run as run_extract
+
+        result = run_extract(images=args.images or 48, preset=args.preset or "demo", overrides=tuple(args.overrides),
+                             threads=args.threads, workdir=args.tmp)
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
         print(json.dumps(result, default=str))
     else:
         for r in result["rows"]:
-            print(f"{r['source']:>7} {r['cache']:>5}  {r['batches_per_second']:8.2f} batches/s "
-                  f"({r['images_per_second']:.0f} images/s)")
+            print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         for k, v in result["ratios"].items():
             target = result.get("targets", {}).get(k)
             print(f"{k}: {v:.2f}" + (f" (target >= {target})" if target else ""))
@@ -207,11 +246,28 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="print a JSON summary")
     f.set_defaults(func=cmd_import_features)
 
+    x = sub.add_parser("extract", help="extract region features into the feature store", description=(
+        "Extract bottom-up region features (detectron2 Faster R-CNN, C4 backbone) for every dataset image into a "
+        "chunked Zarr store, in parallel on Dask. Re-running resumes: finished chunks are skipped and new images "
+        "are appended; other extractor settings or weights make a new store."))
+    _config_args(x)
+    x.add_argument("--workers", type=int, help="Dask worker processes (default features.workers; 0 = no Dask)")
+    x.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="continue the store of these settings (default); --no-resume deletes it and starts over")
+    x.add_argument("--out", metavar="URI", help="store URI (default: <features.store>/<settings digest>.zarr)")
+    x.add_argument("--json", action="store_true", help="print a JSON summary")
+    x.set_defaults(func=cmd_extract)
+
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
-    b.add_argument("name", choices=["loader"], help="loader: Zarr store vs per-image .npy vs memory")
+    b.add_argument("name", choices=["loader", "extract"],
+                   help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop")
+    b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extract: config overrides")
+    b.add_argument("--threads", type=int, default=1, help="extract: torch threads per model")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--images", type=int, default=1000, help="images in the synthetic feature set")
+    b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48)")
     b.add_argument("--batch-size", type=int, default=50, help="images per batch")
     b.add_argument("--max-boxes", type=int, default=100, help="B_max (boxes per image drawn from 10..B_max)")
     b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")

@@ -1,0 +1,555 @@
+"""Bottom-up-attention style region features from a detectron2 C4 Faster R-CNN.
+
+Pipeline per image (inference only)::
+
+    RGB uint8 -> ResizeShortestEdge(min_size, max_size) -> (BGR) -> (x - pixel_mean) / pixel_std
+    -> backbone (stem, res2..res4) -> RPN proposals (cfg.proposals after the RPN's NMS)
+    -> ROIAlign + res5 on every proposal -> mean over 7x7 -> 2048-d feature
+    -> class softmax (background excluded) -> per-class NMS -> best surviving class score per proposal
+    -> keep proposals scoring above conf_threshold, at least min_boxes, at most max_boxes (or exactly fixed_boxes)
+
+Box selection follows the original bottom-up ``generate_tsv.py``: the per-class NMS runs over the *proposal*
+boxes (the boxes the features were pooled from), not over class-specific regressed boxes, so every returned
+box is exactly the region its feature describes. The box regressor is therefore never used. A proposal's score
+is its highest class probability among the classes in which it survived NMS (0 when it survived in none).
+Kept boxes are sorted by score, descending; ties keep the RPN's order (objectness), so the order is total.
+
+Reproducibility: images are batched only with images of the same resized shape (no padding), and the ROI stage
+runs image by image, so an image's numbers never depend on which other images share its batch. On CPU the
+output is bit-identical across calls, instances, processes and batch compositions *for the same torch thread
+count* (oneDNN convolutions, e.g. the RPN head, round differently with 1 and 2 threads: ~1e-6, enough to move a
+proposal); on CUDA it is equal within float tolerance (cuDNN may pick different kernels per batch size).
+Nothing process-wide is set here: the caller chooses ``torch.set_num_threads``.
+
+Random weights (``cfg.weights`` unset) are built under ``torch.manual_seed(cfg.seed)`` (in a forked RNG, the
+caller's RNG state is untouched), so every process builds the same model. Untrained ResNets explode (res4
+activations ~1e7) and the RPN then returns nothing; the last BatchNorm scale of every bottleneck block
+(``conv3.norm.weight``, a FrozenBatchNorm2d buffer) is zeroed so that each residual block starts as the
+identity (Goyal et al. 2017, "zero-gamma"). Such features are fine for plumbing tests and meaningless for
+captioning; a loud warning says so.
+
+Checkpoints: ``.pth``/``.pt`` files are read with ``torch.load(weights_only=True)`` (a raw state dict, or a
+dict holding it under ``model`` / ``state_dict``). ``.pkl`` files (detectron2 model-zoo or Caffe2-converted
+format) go through detectron2's own ``DetectionCheckpointer``, which **unpickles** them: load only ``.pkl``
+files you trust. The class count (``MODEL.ROI_HEADS.NUM_CLASSES``) and class-agnostic box regression follow
+the checkpoint's box predictor. An attribute head (Visual Genome bottom-up checkpoints) is ignored with a note.
+A checkpoint that lacks parameters of the model, or has tensors of the wrong shape, is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from captioning.config import ExtractorConfig
+
+log = logging.getLogger(__name__)
+
+RANDOM_WEIGHTS_WARNING = (
+    "RANDOM detector weights (features.extractor.weights is unset): region features come from an untrained "
+    "Faster R-CNN. Fine for tests and the demo's plumbing, meaningless for real captioning."
+)
+BOX_SELECTION = "per-class NMS over proposal boxes; score = best surviving class probability (bottom-up)"
+_PRE_NMS_FLOOR = 6000  # detectron2's default RPN.PRE_NMS_TOPK_TEST for C4 models
+
+
+class ExtractionError(RuntimeError):
+    """The detector produced unusable numbers (NaN/inf) for an image; ``index`` is its position in the call."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass
+class Regions:
+    """Regions of one image, sorted by score (descending) unless they were given."""
+
+    features: np.ndarray  # (n, D) float32, mean-pooled res5 features
+    boxes: np.ndarray  # (n, 4) float32, x1, y1, x2, y2 divided by the original width/height, in [0, 1]
+    scores: np.ndarray  # (n,) float32, best class confidence
+    image_size: tuple[int, int]  # (height, width) of the original image
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])
+
+
+# ---------------------------------------------------------------------- weights
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("CAPFLOW_WEIGHTS_CACHE", "~/.cache/capflow/weights")).expanduser()
+
+
+def _check_sha(uri: str, expected: str | None, actual: str) -> None:
+    if expected is not None and expected.strip().lower() != actual:
+        raise ValueError(
+            f"detector weights {uri}: sha256 mismatch: expected {expected.strip().lower()}, actual {actual}"
+        )
+
+
+def _resolve(uri: str, sha256: str | None, cache_dir: Path) -> tuple[Path, str]:
+    """(local path, its sha256) of a weights URI; remote files are downloaded once into ``cache_dir``."""
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    if "://" not in uri:
+        path = Path(uri).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"detector weights not found: {path}")
+        digest = sha256_file(path)
+        _check_sha(uri, sha256, digest)
+        return path, digest
+
+    import fsspec
+
+    from captioning.data.stores import storage_options_for
+
+    protocol = uri.split("://", 1)[0]
+    fs = fsspec.filesystem(protocol, **(storage_options_for(uri) or {}))
+    name = Path(uri.rstrip("/")).name or "weights"
+    if sha256:
+        key = sha256.strip().lower()
+    else:  # no pinned hash: the remote object's identity (ETag/size/mtime) names the cached copy
+        info = fs.info(uri)
+        ident = {k: str(info.get(k)) for k in ("ETag", "etag", "size", "LastModified", "mtime") if k in info}
+        key = "uri-" + hashlib.sha256(repr((uri, sorted(ident.items()))).encode()).hexdigest()[:16]
+    target = Path(cache_dir).expanduser() / key / name
+    if target.is_file():
+        digest = sha256_file(target)
+        if sha256 is None or digest == sha256.strip().lower():
+            return target, digest
+        target.unlink(missing_ok=True)  # a bad cached copy: fetch again
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{name}.{os.getpid()}.{uuid.uuid4().hex}.part")
+    try:
+        log.info("downloading detector weights %s -> %s", uri, target)
+        fs.get_file(uri, str(tmp))
+        digest = sha256_file(tmp)
+        _check_sha(uri, sha256, digest)
+        os.replace(tmp, target)  # atomic: concurrent workers downloading the same file do not clash
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target, digest
+
+
+def resolve_weights(uri: str, sha256: str | None, cache_dir: Path) -> Path:
+    """Local path of the weights at ``uri`` (a path, ``file://`` or ``s3://...``), verified against ``sha256``.
+
+    Remote files are downloaded once into ``cache_dir`` (credentials from the environment only; the endpoint
+    from ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` when set). A hash mismatch raises ValueError naming the
+    expected and the actual hash.
+    """
+    return _resolve(uri, sha256, Path(cache_dir))[0]
+
+
+def _find_key(state: dict[str, Any], exact: str, c2: str, suffix: str) -> str | None:
+    if exact in state:
+        return exact
+    if c2 in state:
+        return c2
+    for k in state:
+        if k.endswith(suffix):
+            return k
+    return None
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint as detectron2's checkpointer expects it: ``{"model": state_dict, ...}``."""
+    if path.suffix == ".pkl":
+        from detectron2.checkpoint import DetectionCheckpointer
+
+        return DetectionCheckpointer(torch.nn.Module())._load_file(str(path))  # unpickles: trusted files only
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read detector weights {path} as a torch checkpoint: {e}") from e
+    if isinstance(obj, dict):
+        for key in ("model", "state_dict"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        raise ValueError(f"detector weights {path}: no state dict found (got {type(obj).__name__})")
+    return {"model": OrderedDict(obj), "__author__": "capflow"}
+
+
+# ---------------------------------------------------------------------- the extractor
+def _torch_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"extractor device {spec!r} requested but CUDA is not available")
+    return dev
+
+
+class RegionExtractor:
+    """A detectron2 C4 Faster R-CNN built once; call it on lists of RGB images (``(H, W, 3) uint8``)."""
+
+    def __init__(
+        self,
+        cfg: ExtractorConfig,
+        *,
+        min_boxes: int = 10,
+        max_boxes: int = 100,
+        feature_dim: int = 2048,
+        cache_dir: str | Path | None = None,
+    ):
+        if min_boxes < 1 or max_boxes < min_boxes:
+            raise ValueError(f"need 1 <= min_boxes <= max_boxes, got min_boxes={min_boxes}, max_boxes={max_boxes}")
+        if cfg.fixed_boxes is not None and cfg.fixed_boxes > max_boxes:
+            raise ValueError(f"fixed_boxes={cfg.fixed_boxes} exceeds max_boxes={max_boxes}")
+        self.cfg = cfg
+        self.min_boxes, self.max_boxes, self.feature_dim = min_boxes, max_boxes, feature_dim
+        self.device = _torch_device(cfg.device)
+        self.warnings: list[str] = []
+        self.random_init = cfg.weights is None
+
+        checkpoint = None
+        if self.random_init:
+            self.weights_digest = f"random-init:{cfg.seed}:{cfg.model_config_file}"
+            self.weights_path: Path | None = None
+        else:
+            path, digest = _resolve(cfg.weights, cfg.weights_sha256, Path(cache_dir or default_cache_dir()))
+            self.weights_digest, self.weights_path = digest, path
+            checkpoint = _read_checkpoint(path)
+
+        self.detectron2_cfg = self._build_cfg(checkpoint)
+        self.num_classes = int(self.detectron2_cfg.MODEL.ROI_HEADS.NUM_CLASSES)
+        self.model = self._build_model(checkpoint)
+        self.input_format = self.detectron2_cfg.INPUT.FORMAT
+        if self.random_init:
+            self._warn(RANDOM_WEIGHTS_WARNING)
+
+    # ------------------------------------------------------------------ construction
+    def _warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        log.warning(msg)
+
+    def _build_cfg(self, checkpoint: dict[str, Any] | None):
+        from detectron2 import model_zoo
+        from detectron2.config import get_cfg
+        from detectron2.modeling import ROI_HEADS_REGISTRY
+
+        c = self.cfg
+        d2 = get_cfg()
+        d2.set_new_allowed(True)  # configs of derived projects carry extra keys; they are ignored
+        src = Path(c.model_config_file).expanduser()
+        if src.is_file():
+            d2.merge_from_file(str(src))
+        else:
+            try:
+                d2.merge_from_file(model_zoo.get_config_file(c.model_config_file))
+            except RuntimeError as e:
+                raise ValueError(
+                    f"extractor model_config_file {c.model_config_file!r} is neither a file nor a detectron2 "
+                    f"model-zoo config: {e}"
+                ) from None
+        if d2.MODEL.ROI_HEADS.NAME not in ROI_HEADS_REGISTRY:
+            self._warn(f"ROI heads {d2.MODEL.ROI_HEADS.NAME!r} unknown to detectron2; using Res5ROIHeads")
+            d2.MODEL.ROI_HEADS.NAME = "Res5ROIHeads"
+        d2.MODEL.DEVICE = str(self.device)
+        d2.MODEL.WEIGHTS = ""
+        d2.MODEL.MASK_ON = False
+        d2.MODEL.KEYPOINT_ON = False
+        d2.INPUT.MIN_SIZE_TEST = c.min_size
+        d2.INPUT.MAX_SIZE_TEST = c.max_size
+        d2.MODEL.RPN.POST_NMS_TOPK_TEST = c.proposals
+        d2.MODEL.RPN.PRE_NMS_TOPK_TEST = max(int(d2.MODEL.RPN.PRE_NMS_TOPK_TEST), _PRE_NMS_FLOOR, c.proposals)
+        if d2.INPUT.FORMAT not in ("BGR", "RGB"):
+            raise ValueError(f"unsupported INPUT.FORMAT {d2.INPUT.FORMAT!r} (BGR or RGB)")
+        if checkpoint is not None:
+            self._adapt_to_checkpoint(d2, checkpoint)
+        out = d2.MODEL.RESNETS.RES2_OUT_CHANNELS * 8
+        if out != self.feature_dim:
+            raise ValueError(f"the model's res5 gives {out}-d features but feature_dim={self.feature_dim}")
+        return d2
+
+    def _adapt_to_checkpoint(self, d2, checkpoint: dict[str, Any]) -> None:
+        """Class count and box-regression layout from the checkpoint's box predictor."""
+        state = checkpoint["model"]
+        k_cls = _find_key(state, "roi_heads.box_predictor.cls_score.weight", "cls_score_w",
+                          "box_predictor.cls_score.weight")
+        if k_cls is None:
+            raise ValueError("detector weights have no box classifier (roi_heads.box_predictor.cls_score.weight)")
+        rows = int(state[k_cls].shape[0])
+        if rows < 2:
+            raise ValueError(f"detector weights: box classifier has {rows} output(s); need classes + background")
+        num_classes = rows - 1
+        if num_classes != d2.MODEL.ROI_HEADS.NUM_CLASSES:
+            log.info("detector weights have %d classes (config: %d)", num_classes, d2.MODEL.ROI_HEADS.NUM_CLASSES)
+        d2.MODEL.ROI_HEADS.NUM_CLASSES = num_classes
+        k_box = _find_key(state, "roi_heads.box_predictor.bbox_pred.weight", "bbox_pred_w",
+                          "box_predictor.bbox_pred.weight")
+        if k_box is not None:
+            box_rows = int(state[k_box].shape[0])
+            box_dim = len(d2.MODEL.ROI_BOX_HEAD.BBOX_REG_WEIGHTS)
+            if box_rows == box_dim:
+                d2.MODEL.ROI_BOX_HEAD.CLS_AGNOSTIC_BBOX_REG = True
+            elif box_rows == box_dim * num_classes:
+                d2.MODEL.ROI_BOX_HEAD.CLS_AGNOSTIC_BBOX_REG = False
+            else:
+                # e.g. Caffe-era regressors with a background row; regressed boxes are never used here
+                d2.MODEL.ROI_BOX_HEAD.CLS_AGNOSTIC_BBOX_REG = False
+                bias = k_box[: -len("weight")] + "bias" if k_box.endswith("weight") else k_box[:-1] + "b"
+                for k in (k_box, bias):
+                    state.pop(k, None)
+                log.info("ignoring the checkpoint's box regressor (%d rows): regressed boxes are not used",
+                         box_rows)
+                checkpoint["_dropped_bbox_pred"] = True
+
+    def _build_model(self, checkpoint: dict[str, Any] | None):
+        from detectron2.modeling import build_model
+        from detectron2.modeling.backbone.resnet import BottleneckBlock
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            model = build_model(self.detectron2_cfg)
+        roi = model.roi_heads
+        if not (hasattr(roi, "res5") and hasattr(roi, "_shared_roi_transform")):
+            raise ValueError(
+                f"{self.cfg.model_config_file}: region features need a C4 model (Res5ROIHeads), "
+                f"got {type(roi).__name__}"
+            )
+        if self.random_init:
+            blocks = [m for m in model.modules() if isinstance(m, BottleneckBlock)]
+            with torch.no_grad():
+                for b in blocks:
+                    b.conv3.norm.weight.zero_()  # FrozenBatchNorm2d buffer (or BatchNorm2d parameter)
+            log.info("random init: zeroed the last norm scale of %d bottleneck blocks (identity residuals)",
+                     len(blocks))
+        else:
+            self._load_weights(model, checkpoint)
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    def _load_weights(self, model, checkpoint: dict[str, Any]) -> None:
+        from detectron2.checkpoint import DetectionCheckpointer
+
+        dropped_bbox = checkpoint.pop("_dropped_bbox_pred", False)
+        ckpt = DetectionCheckpointer(model)
+        inc = ckpt._load_model(checkpoint)
+        if inc.incorrect_shapes:
+            k, shape_ckpt, shape_model = inc.incorrect_shapes[0]
+            raise ValueError(
+                f"detector weights {self.weights_path} do not fit {self.cfg.model_config_file}: "
+                f"{len(inc.incorrect_shapes)} tensors of the wrong shape, e.g. {k} {shape_ckpt} vs {shape_model}"
+            )
+        missing = [k for k in inc.missing_keys if not (dropped_bbox and "bbox_pred" in k)]
+        if missing:
+            raise ValueError(
+                f"detector weights {self.weights_path} lack {len(missing)} tensors of "
+                f"{self.cfg.model_config_file}, e.g. {missing[:4]}: wrong model_config_file for these weights?"
+            )
+        attr = [k for k in inc.unexpected_keys if "attr" in k.lower()]
+        other = [k for k in inc.unexpected_keys if "attr" not in k.lower()]
+        if attr:
+            log.info("ignoring the checkpoint's attribute head (%d tensors): attributes are not needed for "
+                     "features", len(attr))
+        if other:
+            self._warn(f"detector weights {self.weights_path}: {len(other)} tensors not used by the model, "
+                       f"e.g. {other[:4]}")
+
+    # ------------------------------------------------------------------ preprocessing
+    def _resized_shape(self, image: np.ndarray) -> tuple[int, int]:
+        from detectron2.data.transforms import ResizeShortestEdge
+
+        h, w = image.shape[:2]
+        return ResizeShortestEdge.get_output_shape(h, w, self.cfg.min_size, self.cfg.max_size)
+
+    def _to_tensor(self, image: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+        from detectron2.data.transforms import ResizeTransform
+
+        h, w = image.shape[:2]
+        img = image[:, :, ::-1] if self.input_format == "BGR" else image
+        img = np.ascontiguousarray(img)
+        if (h, w) != shape:
+            img = ResizeTransform(h, w, shape[0], shape[1], Image.BILINEAR).apply_image(img)
+        return torch.as_tensor(np.ascontiguousarray(img.transpose(2, 0, 1)).astype(np.float32))
+
+    @staticmethod
+    def _check_images(images: list[np.ndarray]) -> None:
+        for i, im in enumerate(images):
+            if not (isinstance(im, np.ndarray) and im.dtype == np.uint8 and im.ndim == 3 and im.shape[2] == 3):
+                desc = f"{im.dtype} {im.shape}" if isinstance(im, np.ndarray) else type(im).__name__
+                raise ValueError(f"image {i}: expected an (H, W, 3) uint8 RGB array, got {desc}")
+            if min(im.shape[:2]) < 1:
+                raise ValueError(f"image {i}: empty image {im.shape}")
+
+    def _batches(self, images: list[np.ndarray]) -> list[tuple[list[int], tuple[int, int]]]:
+        """Indices batched by identical resized shape (no padding), batch_size at most, in first-seen order."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, im in enumerate(images):
+            groups.setdefault(self._resized_shape(im), []).append(i)
+        bs = self.cfg.batch_size
+        return [(idx[s : s + bs], shape) for shape, idx in groups.items() for s in range(0, len(idx), bs)]
+
+    def _autocast(self):
+        return torch.autocast(device_type="cuda", dtype=torch.float16,
+                              enabled=bool(self.cfg.amp and self.device.type == "cuda"))
+
+    # ------------------------------------------------------------------ model stages
+    def _backbone(self, tensors: list[torch.Tensor]):
+        images = self.model.preprocess_image([{"image": t} for t in tensors])
+        features = self.model.backbone(images.tensor)
+        return images, features
+
+    def _roi(self, features: dict[str, torch.Tensor], j: int, boxes) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled res5 features (R, D) and class probabilities (R, K+1) for image ``j`` of the batch."""
+        roi = self.model.roi_heads
+        feats = [features[f][j : j + 1] for f in roi.in_features]
+        x = roi._shared_roi_transform(feats, [boxes]).mean(dim=[2, 3])
+        logits = roi.box_predictor.cls_score(x)
+        return x.float(), F.softmax(logits.float(), dim=-1)
+
+    def _check_finite(self, index: int, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if not bool(torch.isfinite(t).all()):
+                raise ExtractionError(
+                    f"image {index}: the detector produced non-finite values (NaN/inf) in its region features "
+                    "or class scores; the image cannot be used with these weights", index
+                )
+
+    def _nms_max_conf(self, boxes: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Per-class greedy NMS over ``boxes`` (R, 4) for every class of ``scores`` (R, K) at once.
+
+        Returns, per box, its best score among the classes in which it survived (0 if none). Within a class,
+        boxes are visited by score, descending, ties by index; a box is suppressed by an earlier kept box of
+        the same class with IoU > nms_threshold (as torchvision's nms).
+        """
+        from torchvision.ops import box_iou
+
+        r, k = scores.shape
+        if r == 0 or k == 0:
+            return torch.zeros(r, dtype=torch.float32, device=scores.device)
+        over = box_iou(boxes, boxes) > self.cfg.nms_threshold  # (R, R)
+        order = torch.sort(scores, dim=0, descending=True, stable=True).indices  # (R, K): rank -> box
+        suppressed = torch.zeros(k, r, dtype=torch.bool, device=scores.device)
+        kept = torch.zeros(k, r, dtype=torch.bool, device=scores.device)
+        cls = torch.arange(k, device=scores.device)
+        for i in range(r):
+            idx = order[i]
+            alive = ~suppressed[cls, idx]
+            kept[cls, idx] = alive
+            suppressed |= over[idx] & alive[:, None]
+        return torch.where(kept.T, scores, torch.zeros((), dtype=scores.dtype, device=scores.device)).amax(dim=1)
+
+    def _select(self, max_conf: np.ndarray) -> np.ndarray:
+        """Indices of the kept boxes, by score descending then index."""
+        r = max_conf.shape[0]
+        order = np.lexsort((np.arange(r), -max_conf.astype(np.float64)))
+        if self.cfg.fixed_boxes is not None:
+            n = self.cfg.fixed_boxes
+        else:
+            above = int(np.count_nonzero(max_conf > self.cfg.conf_threshold))
+            n = min(max(above, self.min_boxes), self.max_boxes)
+        return order[: min(n, r)]
+
+    # ------------------------------------------------------------------ public API
+    def __call__(self, images: list[np.ndarray]) -> list[Regions]:
+        """Regions of each image (same order). Raises ExtractionError for non-finite model outputs."""
+        self._check_images(images)
+        out: list[Regions | None] = [None] * len(images)
+        with torch.inference_mode(), self._autocast():
+            for idx, shape in self._batches(images):
+                tensors = [self._to_tensor(images[i], shape) for i in idx]
+                imgs, features = self._backbone(tensors)
+                proposals, _ = self.model.proposal_generator(imgs, features, None)
+                for j, i in enumerate(idx):
+                    boxes = proposals[j].proposal_boxes
+                    pooled, probs = self._roi(features, j, boxes)
+                    self._check_finite(i, pooled, probs)
+                    max_conf = self._nms_max_conf(boxes.tensor.float(), probs[:, :-1]).cpu().numpy()
+                    keep = self._select(max_conf)
+                    out[i] = self._regions(images[i], shape, pooled, boxes.tensor, keep, max_conf[keep])
+        return out  # type: ignore[return-value]
+
+    def extract_given(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[Regions]:
+        """Features and best class scores of the given boxes ((n, 4) relative x1, y1, x2, y2), in their order."""
+        self._check_images(images)
+        if len(boxes) != len(images):
+            raise ValueError(f"{len(images)} images but {len(boxes)} box arrays")
+        rel_boxes = []
+        for i, b in enumerate(boxes):
+            b = np.asarray(b, dtype=np.float32)
+            if b.ndim != 2 or b.shape[1] != 4 or not np.all(np.isfinite(b)):
+                raise ValueError(f"boxes {i}: expected a finite (n, 4) array, got shape {b.shape}")
+            b = np.clip(b, 0.0, 1.0)
+            if np.any(b[:, 2] < b[:, 0]) or np.any(b[:, 3] < b[:, 1]):
+                raise ValueError(f"boxes {i}: need x1 <= x2 and y1 <= y2")
+            rel_boxes.append(b)
+        from detectron2.structures import Boxes
+
+        out: list[Regions | None] = [None] * len(images)
+        with torch.inference_mode(), self._autocast():
+            for idx, shape in self._batches(images):
+                tensors = [self._to_tensor(images[i], shape) for i in idx]
+                _, features = self._backbone(tensors)
+                h, w = shape
+                scale = torch.tensor([w, h, w, h], dtype=torch.float32)
+                for j, i in enumerate(idx):
+                    b = torch.from_numpy(rel_boxes[i]) * scale
+                    pooled, probs = self._roi(features, j, Boxes(b.to(self.device)))
+                    self._check_finite(i, pooled, probs)
+                    scores = probs[:, :-1].amax(dim=1) if probs.shape[0] else probs.new_zeros(0)
+                    out[i] = Regions(
+                        features=np.ascontiguousarray(pooled.cpu().numpy(), dtype=np.float32),
+                        boxes=rel_boxes[i].copy(),
+                        scores=scores.cpu().numpy().astype(np.float32),
+                        image_size=(int(images[i].shape[0]), int(images[i].shape[1])),
+                    )
+        return out  # type: ignore[return-value]
+
+    def _regions(self, image, shape, pooled, boxes, keep, scores) -> Regions:
+        h, w = shape
+        keep_t = torch.from_numpy(keep).to(pooled.device)
+        feats = pooled.index_select(0, keep_t).cpu().numpy()
+        b = boxes.float().index_select(0, keep_t).cpu().numpy()
+        rel = b / np.array([w, h, w, h], dtype=np.float32)  # resized -> relative = original / original size
+        rel = np.clip(rel, 0.0, 1.0).astype(np.float32)
+        return Regions(
+            features=np.ascontiguousarray(feats, dtype=np.float32),
+            boxes=np.ascontiguousarray(rel),
+            scores=np.ascontiguousarray(scores, dtype=np.float32),
+            image_size=(int(image.shape[0]), int(image.shape[1])),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description (for store attributes): settings, weights identity, device, versions."""
+        import detectron2
+
+        return {
+            "config": self.cfg.model_dump(mode="json"),
+            "weights_digest": self.weights_digest,
+            "random_init": self.random_init,
+            "device": str(self.device),
+            "amp": bool(self.cfg.amp and self.device.type == "cuda"),
+            "num_classes": self.num_classes,
+            "min_boxes": self.min_boxes,
+            "max_boxes": self.max_boxes,
+            "feature_dim": self.feature_dim,
+            "box_selection": BOX_SELECTION,
+            "input_format": self.input_format,
+            "detectron2_version": detectron2.__version__,
+            "torch_version": torch.__version__,
+            "warnings": list(self.warnings),
+        }
