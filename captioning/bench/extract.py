@@ -78,7 +78,7 @@ def run(images: int = 48, preset: str = "demo", overrides: tuple[str, ...] = (),
         root = Path(tmp)
         cfg = load_config(preset, overrides=[*overrides, f"run.workdir={root}"])
         s = cfg.dataset.synthetic
-        warm_n = 2 * cfg.features.chunk_rows * 2
+        warm_n = 2 * cfg.features.chunk_rows  # one chunk per worker of the 2-worker run
         ann = generate_synthetic(root / "data", images + warm_n, s.seed, min_size=s.min_size, max_size=s.max_size)
         full = read_karpathy(ann, root / "data" / "images", max_reject_fraction=1.0)
         warm = read_karpathy(ann, root / "data" / "images", max_reject_fraction=1.0)

@@ -308,6 +308,7 @@ def local_cluster(workers: int, threads_per_worker: int = 1, gpus: int | None = 
     With GPUs (``gpus`` or, by default, every CUDA device), there is at most one worker per GPU and each
     worker offers the Dask resource ``GPU=1``; a worker uses GPU number (worker index mod device count).
     """
+    import dask
     from distributed import LocalCluster
 
     if gpus is None:
@@ -318,8 +319,11 @@ def local_cluster(workers: int, threads_per_worker: int = 1, gpus: int | None = 
     if gpus:
         workers = min(workers, gpus)
         kw["resources"] = {"GPU": 1}
-    return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
-                        host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR, **kw)
+    # distributed sets MALLOC_TRIM_THRESHOLD_ in workers, which turns off glibc's adaptive mmap threshold: every
+    # large torch tensor then costs an mmap/munmap and page faults (measured: CPU extraction ~30% slower).
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
+                            host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR, **kw)
 
 
 def _gpu_resources(client) -> bool:
