@@ -45,6 +45,7 @@ format: install
 demo: install
 	$(BIN)/capflow ingest --preset demo
 	$(BIN)/capflow vocab --preset demo
+	$(BIN)/capflow extract --preset demo
 
 # Re-resolve the pinned stack from pyproject.toml's ranges into infra/constraints.txt.
 lock:

@@ -42,6 +42,7 @@ import hashlib
 import logging
 import os
 import uuid
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,10 @@ from PIL import Image
 from captioning.config import ExtractorConfig
 
 log = logging.getLogger(__name__)
+
+# Known, harmless warnings from detectron2 0.6 on torch 2.13, printed by every worker otherwise.
+warnings.filterwarnings("ignore", message=r"torch\.meshgrid: in an upcoming release", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning)
 
 RANDOM_WEIGHTS_WARNING = (
     "RANDOM detector weights (features.extractor.weights is unset): region features come from an untrained "

@@ -191,6 +191,10 @@ def test_sigkill_of_the_run_resumes_to_identical_arrays(planted, tmp_path):
     out, err = again.communicate(timeout=600)
     assert again.returncode == 0, err
     res = json.loads(out)
+    assert {"store", "images", "ok", "rejected", "boxes", "seconds_per_image"} <= res.keys()
+    assert res["images"] == len(ds.images) and res["ok"] == len(ds.images) - 3
+    assert {r["image_id"] for r in res["rejected"]} == {900003, 900004, 900005}
+    assert 10 <= res["boxes"]["min"] <= res["boxes"]["mean"] <= res["boxes"]["max"] <= 12
     assert res["skipped_chunks"] == finished_chunks and res["extracted"] < len(ds.images)
     for a, b in zip(_arrays(ref_store), _arrays(res["store"]), strict=True):
         assert np.array_equal(a, b)
