@@ -180,6 +180,29 @@ def _remove_store(uri: str) -> None:
         fs.rm(path, recursive=True)
 
 
+def cmd_params(args: argparse.Namespace) -> int:
+    import torch
+
+    from captioning.models.encoder_decoder import Captioner
+    from captioning.models.params import count
+    from captioning.models.registry import PAPER_PARAMS, preset
+
+    out = {}
+    for name, (paper, convention) in PAPER_PARAMS.items():
+        with torch.device("meta"):  # counts need shapes only
+            n = count(Captioner(preset(name)), convention)
+        out[name] = {"params": n, "paper": paper, "convention": convention,
+                     "rel_diff": (n - paper) / paper if paper else None}
+    if args.json:
+        _print_json({"presets": out})
+    else:
+        for name, r in out.items():
+            paper = f"{r['paper']:>12,}" if r["paper"] else "           -"
+            diff = f"{r['rel_diff']:+.4%}" if r["rel_diff"] is not None else "-"
+            print(f"{name:16s} {r['params']:>12,} {paper}  {diff:>9}  ({r['convention']})")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "loader":
         from captioning.bench.loader import run
@@ -257,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", metavar="URI", help="store URI (default: <features.store>/<settings digest>.zarr)")
     x.add_argument("--json", action="store_true", help="print a JSON summary")
     x.set_defaults(func=cmd_extract)
+
+    pa = sub.add_parser("params", help="parameter counts of every paper preset vs the papers' figures",
+                        description="Count parameters of every paper-size preset with its paper's convention "
+                        "(full model with shared modules once, or LW-Transformer's layer stacks only).")
+    pa.add_argument("--json", action="store_true", help="print one JSON object")
+    pa.set_defaults(func=cmd_params)
 
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")

@@ -1,0 +1,352 @@
+"""The one encoder-decoder skeleton. Every paper is a choice of parts (:class:`ArchConfig`), not a copy.
+
+Interface used by training and by every decoding algorithm (written once, in ``captioning.decoding``):
+- ``encode(features, boxes, region_mask) -> Memory``
+- ``forward(features, boxes, region_mask, inputs) -> log-probs (B, T, V)`` (teacher forcing)
+- ``decode_step(memory, tokens (B, K), cache) -> log-probs (B, K, V)``, with ``cache = model.new_cache()``;
+  ``cache=None`` recomputes the whole prefix (the uncached reference).
+
+Semi-autoregressive decoding (SATIC) with group size K: the target sequence y = [w_1..w_T, EOS] is produced
+K tokens per step. Decoder input position i holds y_{i-K} (the K start symbols are BOS), and the relaxed mask
+lets position i see inputs j < (floor(i/K)+1)*K. K = 1 is exactly the autoregressive captioner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from captioning.models.layers import BoxGeometry, FeedForward, GeometryBias, MultiHeadAttention, sinusoid_table
+
+PAD = 0
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    vocab_size: int = 9488  # output classes
+    bos: int = 1
+    eos: int = 2
+    d_model: int = 512
+    heads: int = 8
+    d_ff: int = 2048
+    enc_layers: int = 6
+    dec_layers: int = 6
+    dropout: float = 0.1
+    d_in: int = 2048
+    input_dropout: float = 0.5
+    input_relu: bool = True
+    norm: str = "pre"  # pre | post
+    # attention kinds: standard | zodiac | expansion
+    enc_attention: str = "standard"
+    dec_attention: str = "standard"
+    cross_attention: str = "standard"
+    geometry: bool = False  # ORT box relations in encoder self-attention
+    share: str | None = None  # None | kv | qk (ACORT)
+    groups: int = 1  # LW-Transformer groups k (attention and, with ffn="grouped", FFN)
+    qk_expand: int = 1  # LW 1x / 2x / 3x
+    grouped_merge: bool = False
+    ffn: str = "dense"  # dense | grouped
+    enc_share: tuple[int, ...] | None = None  # layer position -> layer id, e.g. (0, 0, 0, 1, 1, 1)
+    dec_share: tuple[int, ...] | None = None
+    zodiac_gate: str = "sigmoid"
+    zodiac_dropout: float = 0.2
+    zoneup: float = 1.0
+    expansion_enc: int = 64  # N_E (static expansion)
+    expansion_dec: int = 16  # N_D (dynamic expansion)
+    pos_enc: str = "sinusoidal"  # sinusoidal | learned
+    max_len: int = 64  # longest decoder input (learned positions; caches)
+    stack_output: str = "norm"  # norm: final LN | concat: ExpansionNet's LN(x_N + Drop(W_r [x_1..x_N]))
+    group_size: int = 1  # SATIC K
+    codec: str = "word"  # word | radix (tokens are radix digits)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ArchConfig:
+        d = dict(d)
+        for k in ("enc_share", "dec_share"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+    def replace(self, **kw: Any) -> ArchConfig:
+        return replace(self, **kw)
+
+
+def _share_map(share: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
+    m = tuple(range(n)) if share is None else tuple(share)
+    if len(m) != n or sorted(set(m)) != list(range(len(set(m)))):
+        raise ValueError(f"layer sharing map {m} must give {n} positions using ids 0..k-1")
+    return m
+
+
+@dataclass
+class Memory:
+    """Encoder output for a batch of images."""
+
+    states: torch.Tensor  # (B, R, d)
+    mask: torch.Tensor  # (B, R) bool, True = a real region
+
+    def select(self, idx: torch.Tensor) -> Memory:
+        return Memory(self.states.index_select(0, idx), self.mask.index_select(0, idx))
+
+    def repeat(self, n: int) -> Memory:
+        return Memory(self.states.repeat_interleave(n, 0), self.mask.repeat_interleave(n, 0))
+
+
+@dataclass
+class DecoderCache:
+    """Per decoder layer: {"self": {...}, "cross": {...}} states; ``length`` = decoder positions fed so far."""
+
+    layers: list[dict[str, dict[str, Any]]] = field(default_factory=list)
+    length: int = 0
+
+    def reorder(self, idx: torch.Tensor) -> None:
+        """Keep batch rows ``idx`` (beam search)."""
+        for layer in self.layers:
+            for part in layer.values():
+                for k, v in part.items():
+                    if isinstance(v, torch.Tensor):
+                        part[k] = v.index_select(0, idx)
+
+
+# ---------------------------------------------------------------------- layers
+def _mixer(kind: str, cfg: ArchConfig, *, decoder: bool) -> nn.Module:
+    if kind in ("standard", "zodiac"):
+        return MultiHeadAttention(
+            cfg.d_model, cfg.heads, dropout=cfg.dropout, share=cfg.share, groups=cfg.groups,
+            qk_expand=cfg.qk_expand, grouped_merge=cfg.grouped_merge, zodiac=kind == "zodiac",
+            zodiac_gate=cfg.zodiac_gate, zodiac_dropout=cfg.zodiac_dropout, zoneup=cfg.zoneup,
+        )
+    if kind == "expansion":
+        from captioning.models.expansion import DynamicExpansion, StaticExpansion
+
+        if decoder:
+            return DynamicExpansion(cfg.d_model, cfg.expansion_dec, dropout=cfg.dropout)
+        return StaticExpansion(cfg.d_model, cfg.expansion_enc, dropout=cfg.dropout)
+    raise ValueError(f"unknown attention kind {kind!r}")
+
+
+class _Sublayer(nn.Module):
+    """Residual + LayerNorm around a sublayer, pre-LN (x + Drop(f(LN x))) or post-LN (LN(x + Drop(f x)))."""
+
+    def __init__(self, d: int, dropout: float, pre: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.drop = nn.Dropout(dropout)
+        self.pre = pre
+
+    def forward(self, x: torch.Tensor, fn) -> torch.Tensor:
+        if self.pre:
+            return x + self.drop(fn(self.norm(x)))
+        return self.norm(x + self.drop(fn(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.kind = cfg.enc_attention
+        self.mix = _mixer(cfg.enc_attention, cfg, decoder=False)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.groups if cfg.ffn == "grouped" else 1)
+        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.geo = GeometryBias(64, cfg.heads) if cfg.geometry else None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, geo_emb: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "expansion":
+            x = self.sub1(x, lambda y: self.mix(y, mask))
+        else:
+            bias = self.geo(geo_emb) if self.geo is not None else None
+            x = self.sub1(x, lambda y: self.mix(y, y, mask[:, None, None, :], bias=bias))
+        return self.sub2(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.kind = cfg.dec_attention
+        self.self_mix = _mixer(cfg.dec_attention, cfg, decoder=True)
+        self.cross = _mixer(cfg.cross_attention, cfg, decoder=False)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.groups if cfg.ffn == "grouped" else 1)
+        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.sub3 = _Sublayer(cfg.d_model, cfg.dropout, pre)
+
+    def forward(self, x, memory: Memory, self_mask, cache: dict | None) -> torch.Tensor:
+        sc = cache.setdefault("self", {}) if cache is not None else None
+        cc = cache.setdefault("cross", {}) if cache is not None else None
+        if self.kind == "expansion":
+            x = self.sub1(x, lambda y: self.self_mix(y, self_mask, cache=sc))
+        else:
+            x = self.sub1(x, lambda y: self.self_mix(y, y, self_mask, cache=sc, kind="self"))
+        x = self.sub2(x, lambda y: self.cross(y, memory.states, memory.mask[:, None, None, :], cache=cc,
+                                              kind="cross"))
+        return self.sub3(x, self.ffn)
+
+
+class _Stack(nn.Module):
+    """Layers with a sharing map and the stack's output (final LN, or ExpansionNet's concatenation)."""
+
+    def __init__(self, layer_cls, cfg: ArchConfig, n: int, share: tuple[int, ...] | None):
+        super().__init__()
+        self.map = _share_map(share, n)
+        self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(len(set(self.map))))
+        self.out_kind = cfg.stack_output
+        self.norm = nn.LayerNorm(cfg.d_model)
+        if cfg.stack_output == "concat":
+            self.w_r = nn.Linear(n * cfg.d_model, cfg.d_model)
+            self.drop = nn.Dropout(cfg.dropout)
+
+    def run(self, x: torch.Tensor, step) -> torch.Tensor:
+        outs = []
+        for pos, lid in enumerate(self.map):
+            x = step(pos, self.layers[lid], x)
+            outs.append(x)
+        if self.out_kind == "concat":
+            return self.norm(x + self.drop(self.w_r(torch.cat(outs, -1))))
+        return self.norm(x)
+
+
+# ---------------------------------------------------------------------- the model
+class Captioner(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.input_proj = nn.Linear(cfg.d_in, d)
+        self.input_drop = nn.Dropout(cfg.input_dropout)
+        self.geometry = BoxGeometry(64) if cfg.geometry else None
+        self.encoder = _Stack(EncoderLayer, cfg, cfg.enc_layers, cfg.enc_share)
+        self.decoder = _Stack(DecoderLayer, cfg, cfg.dec_layers, cfg.dec_share)
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.embed_drop = nn.Dropout(cfg.dropout)
+        if cfg.pos_enc == "learned":
+            self.pos = nn.Embedding(cfg.max_len, d)
+        else:
+            self.register_buffer("pe", sinusoid_table(cfg.max_len, d), persistent=False)
+        self.generator = nn.Linear(d, cfg.vocab_size)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def group_size(self) -> int:
+        return self.cfg.group_size
+
+    @property
+    def bos(self) -> int:
+        return self.cfg.bos
+
+    @property
+    def eos(self) -> int:
+        return self.cfg.eos
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    # ------------------------------------------------------------------ encoder
+    def encode(self, features: torch.Tensor, boxes: torch.Tensor, region_mask: torch.Tensor) -> Memory:
+        x = self.input_proj(features.to(self.input_proj.weight.dtype))
+        if self.cfg.input_relu:
+            x = F.relu(x)
+        x = self.input_drop(x)
+        x = x * region_mask[..., None]
+        geo = self.geometry(boxes) if self.geometry is not None else None
+        states = self.encoder.run(x, lambda pos, layer, h: layer(h, region_mask, geo))
+        return Memory(states, region_mask)
+
+    # ------------------------------------------------------------------ decoder
+    def relaxed_mask(self, t_q: int, t_k: int, offset: int = 0, device=None) -> torch.Tensor:
+        """(1, 1, t_q, t_k) bool: query position offset+i may see key j < (floor((offset+i)/K)+1)*K."""
+        k = self.group_size
+        i = torch.arange(offset, offset + t_q, device=device)[:, None]
+        j = torch.arange(t_k, device=device)[None, :]
+        return (j < (torch.div(i, k, rounding_mode="floor") + 1) * k)[None, None]
+
+    def _embed(self, tokens: torch.Tensor, offset: int) -> torch.Tensor:
+        t = tokens.shape[1]
+        if offset + t > self.cfg.max_len:
+            raise ValueError(f"decoder position {offset + t} exceeds max_len {self.cfg.max_len}")
+        d = self.cfg.d_model
+        if self.cfg.pos_enc == "learned":
+            pos = self.pos(torch.arange(offset, offset + t, device=tokens.device))
+            return self.embed_drop(self.embed(tokens)) * math.sqrt(d) + pos
+        return self.embed_drop(self.embed(tokens) * math.sqrt(d) + self.pe[offset : offset + t])
+
+    def _decode(self, memory: Memory, tokens: torch.Tensor, offset: int, caches: list | None) -> torch.Tensor:
+        x = self._embed(tokens, offset)
+        t = tokens.shape[1]
+        if caches is None:
+            mask = self.relaxed_mask(t, t, 0, tokens.device)
+        else:  # new positions see every cached position and, by the relaxed mask, their own group
+            mask = self.relaxed_mask(t, offset + t, offset, tokens.device)
+        h = self.decoder.run(x, lambda pos, layer, y: layer(y, memory, mask, caches[pos] if caches else None))
+        return torch.log_softmax(self.generator(h).float(), dim=-1)
+
+    def forward(self, features, boxes, region_mask, inputs: torch.Tensor, memory: Memory | None = None
+                ) -> torch.Tensor:
+        """Teacher forcing: ``inputs`` (B, T) decoder inputs (see :meth:`teacher_inputs`) -> (B, T, V)."""
+        if memory is None:
+            memory = self.encode(features, boxes, region_mask)
+        if memory.states.shape[0] != inputs.shape[0]:
+            memory = memory.repeat(inputs.shape[0] // memory.states.shape[0])
+        return self._decode(memory, inputs, 0, None)
+
+    def new_cache(self) -> DecoderCache:
+        return DecoderCache(layers=[{} for _ in self.decoder.map])
+
+    def decode_step(self, memory: Memory, tokens: torch.Tensor, cache: DecoderCache | None,
+                    prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed the next ``tokens`` (B, K); returns log-probs (B, K, V) of the next K output positions.
+
+        With ``cache`` the step costs O(t); with ``cache=None`` the whole ``prefix`` (B, t) + tokens is decoded
+        again (the reference the cached path must equal)."""
+        if cache is None:
+            full = tokens if prefix is None else torch.cat([prefix, tokens], 1)
+            return self._decode(memory, full, 0, None)[:, -tokens.shape[1] :]
+        out = self._decode(memory, tokens, cache.length, cache.layers)
+        cache.length += tokens.shape[1]
+        return out
+
+    def start_tokens(self, batch: int, device=None) -> torch.Tensor:
+        return torch.full((batch, self.group_size), self.bos, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------------ training helpers
+    def teacher_inputs(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loader targets [BOS, y_1.., EOS, PAD..] (N, T+1) -> (decoder inputs, outputs to predict), both (N, T).
+
+        Inputs are K start symbols then y shifted by K; K = 1 gives the usual [BOS, y_1..] -> [y_1.., EOS]."""
+        y = targets[:, 1:]
+        k = self.group_size
+        start = torch.full((y.shape[0], k), self.bos, dtype=y.dtype, device=y.device)
+        inputs = torch.cat([start, y[:, : max(y.shape[1] - k, 0)]], 1)[:, : y.shape[1]]
+        return inputs, y
+
+    def xe_loss(self, features, boxes, region_mask, targets: torch.Tensor, label_smoothing: float = 0.0
+                ) -> torch.Tensor:
+        """Mean token cross-entropy; ``targets`` (B, C, T+1) or (N, T+1) with the images repeated C times."""
+        if targets.dim() == 3:
+            b, c, t = targets.shape
+            targets = targets.reshape(b * c, t)
+            memory = self.encode(features, boxes, region_mask).repeat(c)
+        else:
+            memory = self.encode(features, boxes, region_mask)
+        inputs, y = self.teacher_inputs(targets)
+        logp = self.forward(None, None, None, inputs, memory=memory)
+        return F.nll_loss(logp.reshape(-1, logp.shape[-1]), y.reshape(-1), ignore_index=PAD) if not label_smoothing \
+            else _smoothed_nll(logp, y, label_smoothing)
+
+
+def _smoothed_nll(logp: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
+    valid = y != PAD
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    smooth = -logp.mean(-1)
+    loss = (1 - eps) * nll + eps * smooth
+    return loss[valid].mean()
