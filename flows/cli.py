@@ -208,13 +208,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from captioning.bench.loader import run
 
         result = run(images=args.images or 1000, batch_size=args.batch_size, max_boxes=args.max_boxes,
-                     chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats, epochs=args.epochs,
+                     chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats or 2, epochs=args.epochs,
                      workdir=args.tmp)
     elif args.name == "extract":
         from captioning.bench.extract import run as run_extract
 
         result = run_extract(images=args.images or 48, preset=args.preset or "demo", overrides=tuple(args.overrides),
                              threads=args.threads, workdir=args.tmp)
+    elif args.name == "decode":
+        from captioning.bench.decode import run as run_decode
+
+        names = args.presets.split(",") if args.presets else None
+        result = run_decode(names=names, repeats=args.repeats or 5, device=args.device, threads=args.threads_decode)
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
@@ -289,8 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
-    b.add_argument("name", choices=["loader", "extract"],
-                   help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop")
+    b.add_argument("name", choices=["loader", "extract", "decode"],
+                   help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
+                   "decode: greedy latency/throughput of every architecture vs AIC")
+    b.add_argument("--device", default="cpu", help="decode: torch device (cpu, cuda)")
+    b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
+    b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
     b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extract: config overrides")
@@ -301,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-boxes", type=int, default=100, help="B_max (boxes per image drawn from 10..B_max)")
     b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")
     b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
-    b.add_argument("--repeats", type=int, default=2, help="timed passes per source and cache state")
+    b.add_argument("--repeats", type=int, help="timed passes (loader default 2, decode default 5)")
     b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
     b.set_defaults(func=cmd_bench)

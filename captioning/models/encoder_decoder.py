@@ -311,6 +311,8 @@ class Captioner(nn.Module):
         if cache is None:
             full = tokens if prefix is None else torch.cat([prefix, tokens], 1)
             return self._decode(memory, full, 0, None)[:, -tokens.shape[1] :]
+        if cache.length % self.group_size or tokens.shape[1] % self.group_size:
+            raise ValueError(f"cached decoding feeds whole groups of {self.group_size} tokens")
         out = self._decode(memory, tokens, cache.length, cache.layers)
         cache.length += tokens.shape[1]
         return out

@@ -17,7 +17,7 @@ EXACT = {  # the issue's acceptance figures
     "lw-2x": 26_405_376, "lw-3x": 28_773_888, "zodiac-sigmoid": 59_642_640, "zodiac-tanh": 59_642_640,
     "satic-k2": 54_914_832, "satic-k4": 54_914_832, "satic-k6": 54_914_832,
 }
-NON_EXPANSION = [n for n in PRESETS if n != "expansionnet"]
+NON_EXPANSION = list(PRESETS)  # expansionnet included
 CODEC = RadixCodec(base=6, num_words=30)
 
 

@@ -1,0 +1,78 @@
+"""Checkpoints: weights, architecture, vocabulary digest, optimizer/scheduler/RNG state, epoch and step.
+
+Only tensors, numbers, strings, lists and dicts are stored, so every checkpoint loads with
+``torch.load(..., weights_only=True)``: nothing arbitrary is ever unpickled. Writes are atomic (temp + rename),
+so a killed run never leaves a torn checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "capflow-checkpoint/1"
+
+
+def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": [py[0], list(py[1]), py[2]],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def save(path: str | Path, *, model: torch.nn.Module, arch: dict[str, Any], vocab_digest: str = "",
+         optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, epoch: int = 0, step: int = 0,
+         extra: dict[str, Any] | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "format": FORMAT,
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "arch": _plain(arch),
+        "vocab_digest": vocab_digest,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "epoch": epoch,
+        "step": step,
+        "rng": rng_state(),
+        "extra": _plain(extra or {}),
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    state = torch.load(Path(path), map_location=map_location, weights_only=True)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a capflow checkpoint (format {state.get('format')!r})")
+    return state
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-like copy (tuples -> lists) that weights_only loading accepts."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, bool | int | float | str | torch.Tensor):
+        return obj
+    return str(obj)
