@@ -26,3 +26,15 @@ def test_bench_loader_cli_json(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "loader" and set(out["ratios"]) >= {"zarr_vs_npy", "zarr_vs_memory"}
     assert all(v > 0 for v in out["ratios"].values())
+
+
+def test_bench_decode_reports_speedups():
+    from captioning.bench.decode import run as run_decode
+
+    res = run_decode(names=["aic", "satic-k2"], max_words=4, regions=4, repeats=1, batch=2)
+    assert res["bench"] == "decode" and [r["preset"] for r in res["rows"]] == ["aic", "satic-k2"]
+    aic, k2 = res["rows"]
+    assert (aic["steps"], k2["steps"]) == (4, 2) and aic["tokens"] == k2["tokens"] == 4
+    assert res["ratios"]["satic_k2_vs_aic"] == aic["latency_ms_batch1"] / k2["latency_ms_batch1"]
+    assert res["ratios"]["cached_vs_uncached"] == aic["uncached_latency_ms_batch1"] / aic["latency_ms_batch1"]
+    assert all(r["encoder_ms_batch1"] > 0 and r["images_per_s_batch2"] > 0 for r in res["rows"])

@@ -1,0 +1,126 @@
+"""``capflow bench decode``: greedy decoding latency (batch 1) and throughput (batch 50) at paper size.
+
+Every preset is built at its paper size with random weights (latency does not depend on what the weights
+learned, as long as every caption has the same length: decoding here runs the full ``max_words`` words, EOS
+masked out, so no model stops early by chance). Inputs are 36 regions per image (the common fixed-36 setting).
+Rows give, per preset, the encoder's share of the batch-1 latency too, because on a CPU the encoder (compute
+bound) is a far larger part of a caption's latency than on the GPU the SATIC paper measured on (where each
+decoder step is launch-overhead bound): the speed-up of semi-autoregressive decoding applies to the decoder
+part only. Ratios: ``satic_k{2,4,6}_vs_aic`` (batch-1 latency speed-ups), ``cached_vs_uncached`` (AIC, batch 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from captioning.bench.loader import machine_info
+from captioning.decoding import greedy
+from captioning.models.encoder_decoder import Captioner
+from captioning.models.registry import PRESETS, preset
+
+
+class _NoEOS(torch.nn.Module):
+    """Wraps a model so that EOS is never chosen: every caption runs to max_len (fair latency comparison)."""
+
+    def __init__(self, model: Captioner):
+        super().__init__()
+        self.model = model
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+    def decode_step(self, memory, tokens, cache, prefix=None):
+        out = self.model.decode_step(memory, tokens, cache, prefix=prefix)
+        out[..., self.model.eos] = float("-inf")
+        return out
+
+
+def _timeit(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _inputs(b: int, regions: int, d_in: int, g: torch.Generator, dev: torch.device):
+    f = torch.randn(b, regions, d_in, generator=g).to(dev)
+    xy = torch.rand(b, regions, 2, generator=g) * 0.5
+    bx = torch.cat([xy, xy + 0.1 + torch.rand(b, regions, 2, generator=g) * 0.4], -1).to(dev)
+    return f, bx, torch.ones(b, regions, dtype=torch.bool, device=dev)
+
+
+def _measure(name: str, *, max_words: int, regions: int, repeats: int, batch: int, dev: torch.device,
+             g: torch.Generator, uncached: bool) -> dict:
+    cfg = preset(name).replace(max_len=64)
+    torch.manual_seed(0)
+    model = Captioner(cfg).to(dev).eval()
+    wrapped = _NoEOS(model)
+    digits = 2 if cfg.codec == "radix" else 1  # radix models emit d digits per word (d=2 for COCO)
+    max_len = -(-(max_words * digits) // cfg.group_size) * cfg.group_size
+    one_in = _inputs(1, regions, cfg.d_in, g, dev)
+    batch_in = _inputs(batch, regions, cfg.d_in, g, dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def caption(x, use_cache=True):
+        with torch.inference_mode():
+            greedy(wrapped, model.encode(*x), max_len=max_len, use_cache=use_cache)
+        sync()
+
+    def encode_only():
+        with torch.inference_mode():
+            model.encode(*one_in)
+        sync()
+
+    caption(one_in)  # warm-up
+    t1 = _timeit(lambda: caption(one_in), repeats)
+    te = _timeit(encode_only, repeats)
+    caption(batch_in)
+    tb = _timeit(lambda: caption(batch_in), max(1, repeats // 2))
+    row = {
+        "preset": name, "group_size": cfg.group_size, "codec": cfg.codec, "tokens": max_len,
+        "steps": max_len // cfg.group_size, "latency_ms_batch1": 1e3 * t1, "encoder_ms_batch1": 1e3 * te,
+        "decoder_ms_batch1": 1e3 * (t1 - te), f"images_per_s_batch{batch}": batch / tb,
+    }
+    if uncached:
+        row["uncached_latency_ms_batch1"] = 1e3 * _timeit(lambda: caption(one_in, use_cache=False), repeats)
+    return row
+
+
+def run(names: list[str] | None = None, max_words: int = 16, regions: int = 36, repeats: int = 5,
+        batch: int = 50, device: str = "cpu", threads: int | None = None) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    names = names or ["aic", "satic-k2", "satic-k4", "satic-k6"] + [
+        n for n in PRESETS if n not in ("aic", "satic-k2", "satic-k4", "satic-k6")]
+    if "aic" not in names:
+        names = ["aic", *names]
+    g = torch.Generator().manual_seed(0)
+    rows = [_measure(n, max_words=max_words, regions=regions, repeats=repeats, batch=batch, dev=dev, g=g,
+                     uncached=n == "aic") for n in names]
+    base = rows[names.index("aic")]
+    for r in rows:
+        r["speedup_vs_aic"] = base["latency_ms_batch1"] / r["latency_ms_batch1"]
+        r["decoder_speedup_vs_aic"] = base["decoder_ms_batch1"] / r["decoder_ms_batch1"]
+    lat = {r["preset"]: r["latency_ms_batch1"] for r in rows}
+    ratios = {f"satic_k{k}_vs_aic": lat["aic"] / lat[f"satic-k{k}"] for k in (2, 4, 6) if f"satic-k{k}" in lat}
+    ratios["cached_vs_uncached"] = base["uncached_latency_ms_batch1"] / base["latency_ms_batch1"]
+    return {
+        "bench": "decode",
+        "machine": machine_info() | {"device": str(dev)},
+        "params": {"max_words": max_words, "regions": regions, "repeats": repeats, "batch": batch},
+        "rows": rows,
+        "ratios": ratios,
+        "paper": {"satic_k2_vs_aic": 1.78, "satic_k4_vs_aic": 2.93, "satic_k6_vs_aic": 3.86},
+    }
