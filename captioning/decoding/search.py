@@ -1,0 +1,342 @@
+"""Decoding algorithms, written once for every architecture: greedy, group-aware beam search, sampling.
+
+All of them drive a model through its decoding interface only (see :mod:`captioning.models.encoder_decoder`):
+``start_tokens``, ``group_size``, ``bos``/``eos``, ``new_cache`` / ``DecoderCache.reorder`` and
+``decode_step``, plus ``Memory.select`` / ``Memory.repeat``.
+
+Semi-autoregressive groups (SATIC, group size K; K = 1 is ordinary autoregressive decoding): step 0 feeds the
+K start tokens, and every step returns log-probs for the next K output positions, which are predicted in
+parallel from the same prefix; the K tokens chosen for them are the next step's input. The output sequence is
+``y = w_1 .. w_T, EOS``. A caption ends at its first EOS (later tokens of the same group are discarded and
+become PAD). PAD (0) and BOS are never emitted (their log-probs are set to -inf; the remaining log-probs are
+*not* renormalised, so every reported log-prob is the model's own and can be recomputed by teacher forcing).
+
+Length: ``max_len`` counts output tokens, EOS included; a caption that reaches it without EOS is cut there
+(length ``max_len``, no EOS). It is capped by what the model's positions allow
+(``cfg.max_len // K * K`` when the model has a ``cfg.max_len``).
+
+``use_cache=True`` feeds only the new K tokens per step (O(t)); ``use_cache=False`` re-decodes the whole
+prefix each step (``decode_step(memory, tokens, None, prefix=...)``, the O(t^2) reference).
+
+The public functions run under ``torch.inference_mode`` and return ordinary tensors (cloned outside inference
+mode), so that e.g. SCST can use ``token_logprobs`` / ``lengths`` in autograd expressions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from captioning.data import text
+
+PAD = text.PAD
+_UNK_WORD = text.UNK_WORD
+
+
+@dataclass
+class Decoded:
+    """Decoded captions for B images, n per image (beams kept or samples), best first for beam search.
+
+    ``L`` is the longest caption in the batch (``lengths.max()``, at most ``max_len``), not ``max_len``."""
+
+    tokens: torch.Tensor  # (B, n, L) int64 output tokens, EOS included when produced, PAD after
+    logprobs: torch.Tensor  # (B, n) float32: sum of the tokens' log-probs (EOS included)
+    token_logprobs: torch.Tensor | None  # (B, n, L) float32 per-token log-probs, 0 at PAD
+    lengths: torch.Tensor  # (B, n) int64 tokens incl. EOS
+
+    def flat(self) -> torch.Tensor:
+        """(B*n, L) tokens, rows image-major (image b's captions at rows b*n .. b*n+n-1)."""
+        return self.tokens.reshape(-1, self.tokens.shape[-1])
+
+
+# ---------------------------------------------------------------------- helpers
+class _Stepper:
+    """Feeds groups of K tokens, cached (O(t) per step) or by re-decoding the prefix (the reference)."""
+
+    def __init__(self, model, memory, use_cache: bool):
+        self.model = model
+        self.memory = memory
+        self.cache = model.new_cache() if use_cache else None
+        self.prefix: torch.Tensor | None = None  # (R, t) inputs fed so far (uncached path)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.cache is not None:
+            return self.model.decode_step(self.memory, tokens, self.cache)
+        out = self.model.decode_step(self.memory, tokens, None, prefix=self.prefix)
+        self.prefix = tokens if self.prefix is None else torch.cat([self.prefix, tokens], 1)
+        return out
+
+    def reorder(self, idx: torch.Tensor, memory: bool = True) -> None:
+        """Keep rows ``idx`` (flat indices into the current rows). ``memory=False`` when every new row comes
+        from a row of the same image (beam parents), whose memory rows are already identical."""
+        if self.cache is not None:
+            self.cache.reorder(idx)
+        elif self.prefix is not None:
+            self.prefix = self.prefix.index_select(0, idx)
+        if memory:
+            self.memory = self.memory.select(idx)
+
+
+def _steps(model, max_len: int) -> tuple[int, int]:
+    """(effective max_len, number of decode steps)."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    k = int(model.group_size)
+    cap = getattr(getattr(model, "cfg", None), "max_len", None)
+    if cap is not None:
+        max_len = min(max_len, (int(cap) // k) * k)
+        if max_len < 1:
+            raise ValueError(f"the model's {cap} positions cannot hold one group of {k}")
+    return max_len, -(-max_len // k)
+
+
+def _mask_specials(model, logp: torch.Tensor) -> torch.Tensor:
+    """PAD and BOS are never emitted. ``logp`` is a fresh tensor from the model: masked in place."""
+    logp[..., PAD] = float("-inf")
+    logp[..., int(model.bos)] = float("-inf")
+    return logp
+
+
+def _outside_inference(d: Decoded) -> Decoded:
+    def c(t):
+        return None if t is None else t.clone()
+
+    return Decoded(c(d.tokens), c(d.logprobs), c(d.token_logprobs), c(d.lengths))
+
+
+# ---------------------------------------------------------------------- greedy / sampling (independent rows)
+def _rowwise(model, memory, max_len: int, use_cache: bool,
+             choose: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Decode every memory row independently; ``choose(logp (A, K, V)) -> tokens (A, K)``.
+
+    Finished rows leave the batch (cache, prefix and memory keep only the open rows), and decoding stops
+    as soon as every row is finished. Returns (tokens (N, L), token log-probs (N, L), lengths (N,))."""
+    max_len, steps = _steps(model, max_len)
+    k, eos = int(model.group_size), int(model.eos)
+    n = memory.states.shape[0]
+    dev = memory.states.device
+    toks = torch.full((n, steps * k), PAD, dtype=torch.long, device=dev)
+    tlp = torch.zeros(n, steps * k, dtype=torch.float32, device=dev)
+    lengths = torch.zeros(n, dtype=torch.long, device=dev)
+    active = torch.arange(n, device=dev)  # original row of each open row
+    offs = torch.arange(k, device=dev)
+    stepper = _Stepper(model, memory, use_cache)
+    inp = model.start_tokens(n, device=dev)
+    for s in range(steps):
+        logp = _mask_specials(model, stepper.step(inp).float())  # (A, K, V)
+        tok = choose(logp)
+        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        is_eos = tok == eos
+        # a position is kept if it is not after the group's first EOS and within max_len
+        keep = ((is_eos.cumsum(1) - is_eos.long()) == 0) & (s * k + offs < max_len)[None]
+        toks[active, s * k : (s + 1) * k] = torch.where(keep, tok, PAD)
+        tlp[active, s * k : (s + 1) * k] = torch.where(keep, lp, 0.0)
+        lengths[active] += keep.sum(1)
+        if (s + 1) * k >= max_len:
+            break
+        open_ = ~(is_eos & keep).any(1)
+        if not bool(open_.all()):
+            if not bool(open_.any()):
+                break
+            idx = open_.nonzero().squeeze(1)
+            stepper.reorder(idx)
+            active, tok = active[idx], tok[idx]
+        inp = tok
+    width = max(int(lengths.max()) if n else 1, 1)
+    return toks[:, :width], tlp[:, :width], lengths
+
+
+def _pack(toks, tlp, lengths, b: int, per: int) -> Decoded:
+    return Decoded(
+        tokens=toks.view(b, per, -1),
+        logprobs=tlp.sum(-1).view(b, per),
+        token_logprobs=tlp.view(b, per, -1),
+        lengths=lengths.view(b, per),
+    )
+
+
+def greedy(model, memory, max_len: int = 16, use_cache: bool = True) -> Decoded:
+    """Greedy decoding: each step takes the arg-max at each of its K positions (n = 1)."""
+    with torch.inference_mode():
+        b = memory.states.shape[0]
+        toks, tlp, lengths = _rowwise(model, memory, max_len, use_cache, lambda lp: lp.argmax(-1))
+        out = _pack(toks, tlp, lengths, b, 1)
+    return _outside_inference(out)
+
+
+def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.0,
+           generator: torch.Generator | None = None, use_cache: bool = True) -> Decoded:
+    """``n`` multinomial samples per image from ``softmax(log p / temperature)`` (PAD/BOS excluded).
+
+    The K positions of a group are sampled independently (they are predicted in parallel). The reported
+    ``token_logprobs`` / ``logprobs`` are the *model's* log-probs of the sampled tokens (temperature-free
+    log-softmax, PAD/BOS not renormalised away), i.e. the policy's log-prob that SCST needs - not the log-prob
+    under the tempered sampling distribution. Reproducible with ``generator`` (on the memory's device).
+    Samples of image b are rows ``b*n .. b*n+n-1`` of the flattened output."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature} (use greedy for arg-max)")
+
+    def choose(logp: torch.Tensor) -> torch.Tensor:
+        a, k, v = logp.shape
+        probs = torch.softmax(logp / temperature, dim=-1).reshape(a * k, v)
+        return torch.multinomial(probs, 1, generator=generator).view(a, k)
+
+    with torch.inference_mode():
+        b = memory.states.shape[0]
+        toks, tlp, lengths = _rowwise(model, memory.repeat(n), max_len, use_cache, choose)
+        out = _pack(toks, tlp, lengths, b, n)
+    return _outside_inference(out)
+
+
+# ---------------------------------------------------------------------- beam search
+def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty: float = 0.0, n_best: int = 1,
+                use_cache: bool = True) -> Decoded:
+    """Group-aware beam search; returns the ``n_best`` best hypotheses per image, best first.
+
+    Scores are sums of token log-probs (no length normalisation by default). Inside a group the K positions
+    share one step's distributions, so hypotheses are expanded position by position: for position j every
+    hypothesis is extended with every token using the distribution of its *parent row* (the row that ran the
+    step) at position j, the best ``beam`` candidates per image survive, and position j+1 continues from them.
+    After the group, the cache (and the prefix on the uncached path) is reordered to the parents' rows and one
+    ``decode_step`` feeds every hypothesis's K chosen tokens.
+
+    Finished hypotheses (EOS emitted) keep their score and are extended by PAD only; they keep competing for the
+    ``beam`` slots with open ones. Step 0 starts from a single live hypothesis per image (decoded on B rows,
+    then expanded to B*beam rows) so the beam never holds duplicates.
+
+    ``length_penalty`` alpha: every comparison (the per-position pruning and the final ranking) uses
+    ``score / length**alpha`` with length in output tokens incl. EOS (simple normalisation, not GNMT's
+    ((5+len)/6)**alpha). Open hypotheses all have the same length at a given position, so alpha only changes
+    how finished hypotheses compare with open ones and with each other. The returned ``logprobs`` stay the raw
+    sums. With alpha = 0 the search stops for an image as soon as its ``n_best`` best slots are finished
+    (scores can only fall, so nothing can overtake them); otherwise when every slot is finished or at max_len.
+    """
+    if beam < 1:
+        raise ValueError(f"beam must be >= 1, got {beam}")
+    if not 1 <= n_best <= beam:
+        raise ValueError(f"n_best must be in 1..beam ({beam}), got {n_best}")
+    with torch.inference_mode():
+        out = _beam(model, memory, beam, max_len, float(length_penalty), n_best, use_cache)
+    return _outside_inference(out)
+
+
+def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_cache: bool) -> Decoded:
+    max_len, steps = _steps(model, max_len)
+    k, eos = int(model.group_size), int(model.eos)
+    b = memory.states.shape[0]
+    dev = memory.states.device
+    neg_inf = float("-inf")
+
+    scores = torch.full((b, w), neg_inf, dtype=torch.float32, device=dev)
+    scores[:, 0] = 0.0  # one live hypothesis per image at the start
+    fin = torch.zeros(b, w, dtype=torch.bool, device=dev)
+    lengths = torch.zeros(b, w, dtype=torch.long, device=dev)
+    toks = torch.full((b, w, steps * k), PAD, dtype=torch.long, device=dev)
+    tlp = torch.zeros(b, w, steps * k, dtype=torch.float32, device=dev)
+    # the row (of the current step's batch) that holds each slot's state: B rows at step 0, then B*w
+    row = torch.arange(b, device=dev)[:, None].expand(b, w)
+    stepper = _Stepper(model, memory, use_cache)
+    inp = model.start_tokens(b, device=dev)
+
+    for s in range(steps):
+        logp = _mask_specials(model, stepper.step(inp).float())  # (R, K, V)
+        v = logp.shape[-1]
+        parent = row.clone()  # (b, w) row whose distributions each current hypothesis uses
+        for j in range(k):
+            p = s * k + j
+            if p >= max_len:
+                break
+            lp_j = logp[:, j].index_select(0, parent.reshape(-1)).view(b, w, v)
+            cand = scores[..., None] + lp_j  # open hypotheses: any token
+            pad_only = torch.full_like(cand, neg_inf)
+            pad_only[..., PAD] = scores
+            cand = torch.where(fin[..., None], pad_only, cand)  # finished: frozen score, PAD only
+            if alpha:
+                cand_len = torch.where(fin, lengths, p + 1).clamp(min=1).float()
+                key = cand / cand_len[..., None] ** alpha
+            else:
+                key = cand
+            idx = key.view(b, w * v).topk(w, dim=1).indices  # (b, w), sorted best first
+            src, tok = idx // v, idx % v
+            was_fin = fin.gather(1, src)
+            tok = torch.where(was_fin, PAD, tok)
+            scores = cand.view(b, w * v).gather(1, idx)
+            tok_lp = torch.where(was_fin, 0.0, lp_j.view(b, w * v).gather(1, idx))
+            lengths = torch.where(was_fin, lengths.gather(1, src), p + 1)
+            fin = was_fin | (tok == eos)
+            gidx = src[..., None].expand(b, w, steps * k)
+            toks = toks.gather(1, gidx)
+            tlp = tlp.gather(1, gidx)
+            toks[:, :, p] = tok
+            tlp[:, :, p] = tok_lp
+            parent = parent.gather(1, src)
+        if (s + 1) * k >= max_len:
+            break
+        if alpha:
+            done = bool(fin.all())
+        else:  # slots are sorted by score; nothing open can overtake finished slots above it
+            done = bool(fin[:, :n_best].all())
+        if done:
+            break
+        # parents are rows of the same image: memory rows are identical, only the first expansion selects them
+        stepper.reorder(parent.reshape(-1), memory=s == 0)
+        row = torch.arange(b * w, device=dev).view(b, w)
+        inp = toks[:, :, s * k : (s + 1) * k].reshape(b * w, k)
+
+    if alpha:
+        key = scores / lengths.clamp(min=1).float() ** alpha
+        order = key.argsort(dim=1, descending=True, stable=True)[:, :n_best]
+    else:
+        order = torch.arange(n_best, device=dev)[None].expand(b, n_best)  # already sorted by score
+    lengths = lengths.gather(1, order)
+    width = max(int(lengths.max()) if b else 1, 1)
+    gidx = order[..., None].expand(b, n_best, steps * k)
+    return Decoded(
+        tokens=toks.gather(1, gidx)[..., :width],
+        logprobs=scores.gather(1, order),
+        token_logprobs=tlp.gather(1, gidx)[..., :width],
+        lengths=lengths,
+    )
+
+
+# ---------------------------------------------------------------------- strings
+def to_words(tokens: torch.Tensor, vocab, codec=None) -> list[str]:
+    """(N, L) output tokens -> N caption strings (never raises on model output).
+
+    Word models: tokens are word ids; stop at EOS/PAD, skip BOS. Radix models (``codec`` given): digits go
+    through ``codec.decode_caption`` (stops at EOS/PAD, drops an incomplete last group, invalid groups become
+    ``<unk>``), then word ids become words. Ids outside the vocabulary become ``<unk>``."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        rows = tokens.detach().cpu().tolist()
+    else:
+        rows = [list(r) for r in tokens]
+    out = []
+    for r in rows:
+        if codec is not None:
+            ids = codec.decode_caption(r)
+        else:
+            ids = []
+            for t in r:
+                t = int(t)
+                if t in (text.EOS, PAD):
+                    break
+                if t == text.BOS:
+                    continue
+                ids.append(t)
+        words = []
+        for i in ids:
+            try:
+                words.append(vocab.word_of(int(i)))
+            except (IndexError, KeyError, ValueError):
+                words.append(_UNK_WORD)
+        out.append(" ".join(words))
+    return out
+
+
+__all__ = ["Decoded", "beam_search", "greedy", "sample", "to_words"]
