@@ -203,6 +203,22 @@ def cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from captioning.metrics.coco import EvaluationInputError, evaluate_files
+
+    try:
+        res = evaluate_files(args.results, args.references, spice_jars=args.spice_jars)
+    except (EvaluationInputError, FileNotFoundError) as e:
+        raise CLIError(str(e)) from None
+    if args.json:
+        _print_json(res)
+    else:
+        for k, v in res["metrics"].items():
+            print(f"{k:8s} {v:.4f}" if v is not None else f"{k:8s} n/a ({res.get('spice', '')})")
+        print(f"images: {res['images']}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "loader":
         from captioning.bench.loader import run
@@ -291,6 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(full model with shared modules once, or LW-Transformer's layer stacks only).")
     pa.add_argument("--json", action="store_true", help="print one JSON object")
     pa.set_defaults(func=cmd_params)
+
+    ev = sub.add_parser("evaluate", help="score a COCO results file with pycocoevalcap",
+                        description="Score [{image_id, caption}] results against COCO-format references with "
+                        "pycocoevalcap (BLEU-1..4, METEOR, ROUGE_L, CIDEr; SPICE only with CoreNLP jars).")
+    ev.add_argument("--results", required=True, help="COCO results JSON")
+    ev.add_argument("--references", required=True, help="COCO-format references JSON (annotations)")
+    ev.add_argument("--spice-jars", help="folder with stanford-corenlp-3.6.0(-models).jar; else SPICE is null")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(func=cmd_evaluate)
 
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")

@@ -434,3 +434,21 @@ def test_vocab_rows_follow_a_feature_store(capsys, external: Path, tmp_path: Pat
     assert labels.tokens.shape[0] == 25
     assert labels.image_row.tolist() == [4 - BU_IDS.index(int(i)) for i in labels.image_id]
     assert sorted(set(labels.image_row.tolist())) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_evaluate_reproduces_fakecap(external: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["evaluate", "--results", str(external / "coco_eval" / "fakecap_results.json"),
+               "--references", str(external / "coco_eval" / "fakecap_refs.json"), "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["images"] == 1000
+    assert round(out["metrics"]["CIDEr"], 3) == 0.600 and round(out["metrics"]["Bleu_4"], 3) == 0.191
+    assert out["metrics"]["SPICE"] is None and out["spice"].startswith("unavailable")
+
+
+def test_evaluate_bad_results_exit_2(tmp_path: Path, external: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "r.json"
+    bad.write_text('[{"image_id": 1, "caption": "x"}')
+    rc = main(["evaluate", "--results", str(bad), "--references", str(external / "coco_eval" / "fakecap_refs.json")])
+    assert rc == 2 and "r.json" in capsys.readouterr().err
