@@ -223,7 +223,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "loader":
         from captioning.bench.loader import run
 
-        result = run(images=args.images or 1000, batch_size=args.batch_size, max_boxes=args.max_boxes,
+        result = run(images=args.images or 1000, batch_size=args.batch_size or 50, max_boxes=args.max_boxes,
                      chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats or 2, epochs=args.epochs,
                      workdir=args.tmp)
     elif args.name == "extract":
@@ -231,6 +231,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_extract(images=args.images or 48, preset=args.preset or "demo", overrides=tuple(args.overrides),
                              threads=args.threads, workdir=args.tmp)
+    elif args.name == "cider":
+        from captioning.bench.cider import run as run_cider
+
+        ext = Path(args.external) if args.external else Path(__file__).resolve().parents[2] / "shared" / "external"
+        result = run_cider(ext / "coco_eval" / "karpathy_test_refs.json",
+                           ext / "model_outputs" / "acort_karpathy_test.json",
+                           batch_images=args.batch_size or 50, samples=5, repeats=args.repeats or 3,
+                           images=args.images)
     elif args.name == "decode":
         from captioning.bench.decode import run as run_decode
 
@@ -319,9 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
-    b.add_argument("name", choices=["loader", "extract", "decode"],
+    b.add_argument("name", choices=["loader", "extract", "decode", "cider"],
                    help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
-                   "decode: greedy latency/throughput of every architecture vs AIC")
+                   "decode: greedy latency/throughput of every architecture vs AIC; "
+                   "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs")
+    b.add_argument("--external", help="cider: folder of the external COCO material (default ../shared/external)")
     b.add_argument("--device", default="cpu", help="decode: torch device (cpu, cuda)")
     b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
     b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
@@ -331,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=1, help="extract: torch threads per model")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48)")
-    b.add_argument("--batch-size", type=int, default=50, help="images per batch")
+    b.add_argument("--batch-size", type=int, help="images per batch (loader, cider; default 50)")
     b.add_argument("--max-boxes", type=int, default=100, help="B_max (boxes per image drawn from 10..B_max)")
     b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")
     b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
