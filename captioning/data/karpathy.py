@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
 
 from captioning.data.text import tokenize
+from captioning.jsonio import read_json
 
 log = logging.getLogger(__name__)
 
@@ -246,16 +247,7 @@ def _check_file(path: Path, mode: str, cache: FileHashCache) -> tuple[int, str, 
 
 # ---------------------------------------------------------------------- parsing
 def _load_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DatasetError(f"annotation file {path} not found") from None
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path}: not UTF-8 text ({e})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    return read_json(path, "annotation", DatasetError, DatasetError)
 
 
 def _require(entry: dict, key: str, idx: int, path: Path, types: tuple[type, ...]) -> Any:

@@ -45,6 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from captioning.jsonio import read_json
+
 log = logging.getLogger(__name__)
 
 METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
@@ -70,17 +72,7 @@ class EvaluationInputError(ValueError):
 
 
 def _read_json(path: str | Path, what: str) -> Any:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} file not found: {path}") from None
-    except UnicodeDecodeError as e:
-        raise EvaluationInputError(f"{what} file {path} is not UTF-8 text: {e}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise EvaluationInputError(f"{what} file {path} is not valid JSON: {e}") from None
+    return read_json(path, what, EvaluationInputError)
 
 
 def _name_ids(ids: Iterable[Any]) -> str:
