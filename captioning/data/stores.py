@@ -175,11 +175,11 @@ class FeatureStore:
         start = chunk * self.chunk_rows
         return start, min(start + self.chunk_rows, self.num_rows)
 
-    def image_ids(self) -> np.ndarray:
-        return self._a["image_id"][:]
+    def image_ids(self, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        return self._a["image_id"][start:stop]
 
-    def status(self) -> np.ndarray:
-        return self._a["status"][:]
+    def status(self, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        return self._a["status"][start:stop]
 
     def row_of(self) -> dict[int, int]:
         return {int(i): r for r, i in enumerate(self.image_ids())}

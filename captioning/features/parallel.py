@@ -138,10 +138,10 @@ def extract_chunk(
     start, stop = store.chunk_range(chunk)
     if len(items) != stop - start:
         raise StoreError(f"chunk {chunk} has {stop - start} rows but {len(items)} images were planned")
-    ids = store.image_ids()[start:stop]
+    ids = store.image_ids(start, stop)  # this chunk's rows only: no whole-array reads per chunk
     if [i for i, _ in items] != ids.tolist():
         raise StoreError(f"chunk {chunk}: planned images do not match the store's rows")
-    pending = store.status()[start:stop] == PENDING
+    pending = store.status(start, stop) == PENDING
     if not np.any(pending):
         return ChunkResult(chunk, len(items), 0, 0, time.perf_counter() - t0, skipped=True)
     ex_cfg = ExtractorConfig.model_validate_json(ex_json)

@@ -75,6 +75,21 @@ def _read_json(path: str | Path, what: str) -> Any:
     return read_json(path, what, EvaluationInputError)
 
 
+def _caption_item(obj: Any, label: str) -> tuple[int, str]:
+    """(image_id, caption) of one annotation/result object, or an error naming ``label``."""
+    if not isinstance(obj, dict):
+        raise EvaluationInputError(f"{label} is not an object")
+    for key in ("image_id", "caption"):
+        if key not in obj:
+            raise EvaluationInputError(f"{label} is missing key '{key}'")
+    iid, cap = obj["image_id"], obj["caption"]
+    if not _is_int(iid):
+        raise EvaluationInputError(f"{label} has a non-integer image_id {iid!r}")
+    if not isinstance(cap, str):
+        raise EvaluationInputError(f"{label} (image_id {iid}) has a non-string caption")
+    return iid, cap
+
+
 def _name_ids(ids: Iterable[Any]) -> str:
     ids = list(ids)
     shown = ", ".join(repr(i) for i in ids[:_MAX_NAMED])
@@ -120,16 +135,7 @@ def load_references(path: str | Path) -> dict[int, list[str]]:
 
     refs: dict[int, list[str]] = {}
     for i, ann in enumerate(anns):
-        if not isinstance(ann, dict):
-            raise EvaluationInputError(f"{where}: annotations[{i}] is not an object")
-        for key in ("image_id", "caption"):
-            if key not in ann:
-                raise EvaluationInputError(f"{where}: annotations[{i}] is missing key '{key}'")
-        iid, cap = ann["image_id"], ann["caption"]
-        if not _is_int(iid):
-            raise EvaluationInputError(f"{where}: annotations[{i}] has a non-integer image_id {iid!r}")
-        if not isinstance(cap, str):
-            raise EvaluationInputError(f"{where}: annotations[{i}] (image_id {iid}) has a non-string caption")
+        iid, cap = _caption_item(ann, f"{where}: annotations[{i}]")
         refs.setdefault(iid, []).append(cap)
 
     if image_ids is not None:
@@ -164,16 +170,7 @@ def load_results(path: str | Path, references: Mapping[int, Sequence[str]] | Non
     out: dict[int, str] = {}
     dups: list[int] = []
     for i, r in enumerate(data):
-        if not isinstance(r, dict):
-            raise EvaluationInputError(f"{where}: item {i} is not an object")
-        for key in ("image_id", "caption"):
-            if key not in r:
-                raise EvaluationInputError(f"{where}: item {i} is missing key '{key}'")
-        iid, cap = r["image_id"], r["caption"]
-        if not _is_int(iid):
-            raise EvaluationInputError(f"{where}: item {i} has a non-integer image_id {iid!r}")
-        if not isinstance(cap, str):
-            raise EvaluationInputError(f"{where}: item {i} (image_id {iid}) has a non-string caption")
+        iid, cap = _caption_item(r, f"{where}: item {i}")
         if iid in out:
             dups.append(iid)
             continue
