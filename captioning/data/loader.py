@@ -386,3 +386,20 @@ def make_loader(dataset: CaptionDataset, batch_size: int, workers: int = 0, drop
         persistent_workers=False,
         prefetch_factor=4 if workers else None,
     )
+
+
+def image_batches(source: FeatureSource, rows: np.ndarray, batch_size: int) -> Iterator[Batch]:
+    """The images of ``rows`` (in order, read block-wise) as padded batches without captions (decoding,
+    distillation, evaluation). ``tokens`` is an empty (B, 1, 1) padding tensor."""
+    rows = np.asarray(rows, dtype=np.int64)
+    pending: list = []
+    empty = np.zeros((1, 1), np.int64)
+    for block in source.blocks(np.sort(rows)):
+        got = source.read(block)
+        for r, iid, f, bx in zip(got.rows, got.image_ids, got.features, got.boxes, strict=True):
+            pending.append((int(r), int(iid), f, bx, empty))
+            if len(pending) == batch_size:
+                yield collate(pending)
+                pending = []
+    if pending:
+        yield collate(pending)

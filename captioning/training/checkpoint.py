@@ -76,3 +76,19 @@ def _plain(obj: Any) -> Any:
     if obj is None or isinstance(obj, bool | int | float | str | torch.Tensor):
         return obj
     return str(obj)
+
+
+def init_from(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Copy every tensor of ``state_dict`` whose name and shape match into ``model`` (SATIC's weight
+    initialisation from the AIC teacher). Returns ``{"loaded": [...], "skipped": [...]}`` (model keys)."""
+    own = model.state_dict()
+    loaded, skipped = [], []
+    for k, v in own.items():
+        src = state_dict.get(k)
+        if src is not None and tuple(src.shape) == tuple(v.shape):
+            own[k] = src.to(dtype=v.dtype)
+            loaded.append(k)
+        else:
+            skipped.append(k)
+    model.load_state_dict(own)
+    return {"loaded": loaded, "skipped": skipped}

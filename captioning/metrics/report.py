@@ -1,0 +1,113 @@
+"""Evaluating a trained captioner on a split: decode, score, count, time.
+
+:func:`predict` beam-decodes the images of a split into captions; :func:`evaluate_model` scores them with the
+coco-caption metrics (:func:`captioning.metrics.coco.score`) and adds what the papers compare models by: the
+parameter count (the paper's convention), batch-1 latency, the share of captions not seen in training and the
+average length. :func:`greedy_cider_validator` is the cheap per-epoch validation of the trainers (greedy
+decoding, fast CIDEr-D against the split's references).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from captioning.data.loader import FeatureSource, image_batches
+from captioning.data.text import RadixCodec, Vocabulary
+from captioning.decoding import beam_search, greedy, to_words
+from captioning.metrics.cider import CiderD
+from captioning.metrics.coco import score
+from captioning.metrics.diversity import caption_stats
+from captioning.models.params import count
+
+
+def predict(model, source: FeatureSource, rows: np.ndarray, vocab: Vocabulary, *, codec: RadixCodec | None,
+            max_tokens: int, beam: int = 3, batch_size: int = 50, device: str | torch.device = "cpu",
+            progress: bool = False, desc: str = "decoding") -> dict[int, str]:
+    """``{image id: caption}`` for the images of ``rows`` (beam 1 = greedy)."""
+    model.eval()
+    out: dict[int, str] = {}
+    n_batches = -(-len(rows) // batch_size)
+    for b in tqdm(image_batches(source, rows, batch_size), total=n_batches, desc=desc, disable=not progress,
+                  leave=False):
+        b = b.to(device)
+        with torch.inference_mode():
+            memory = model.encode(b.features.float(), b.boxes, b.region_mask)
+            d = greedy(model, memory, max_len=max_tokens) if beam == 1 else \
+                beam_search(model, memory, beam=beam, max_len=max_tokens)
+        for iid, cap in zip(b.image_ids.tolist(), to_words(d.flat(), vocab, codec), strict=True):
+            out[int(iid)] = cap
+    return out
+
+
+def greedy_cider_validator(source: FeatureSource, rows: np.ndarray, references: Mapping[int, Sequence[str]],
+                           vocab: Vocabulary, *, codec: RadixCodec | None, max_tokens: int, batch_size: int = 50,
+                           device: str | torch.device = "cpu") -> Callable[..., dict[str, float]]:
+    """A ``validate(model)`` callback: greedy captions of ``rows`` -> {"CIDEr": fast CIDEr-D} (df from the
+    split's own references, as coco-caption computes it)."""
+    cider = CiderD({k: list(v) for k, v in references.items()})
+
+    def validate(model) -> dict[str, float]:
+        caps = predict(model, source, rows, vocab, codec=codec, max_tokens=max_tokens, beam=1,
+                       batch_size=batch_size, device=device)
+        mean, _ = cider.score({k: v for k, v in caps.items() if k in cider.references})
+        return {"CIDEr": mean}
+
+    return validate
+
+
+def latency_ms(model, source: FeatureSource, rows: np.ndarray, *, max_tokens: int, beam: int = 3, images: int = 20,
+               device: str | torch.device = "cpu") -> float:
+    """Median wall time (ms) to caption one image (encode + beam search, batch 1) over ``images`` images."""
+    model.eval()
+    times = []
+    picked = np.sort(np.asarray(rows)[:images])
+    for i, b in enumerate(image_batches(source, picked, 1)):
+        b = b.to(device)
+        if device != "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            memory = model.encode(b.features.float(), b.boxes, b.region_mask)
+            if beam == 1:
+                greedy(model, memory, max_len=max_tokens)
+            else:
+                beam_search(model, memory, beam=beam, max_len=max_tokens)
+        if device != "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i:  # the first call warms up allocators and kernels
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times) if times else float("nan")
+
+
+def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: Mapping[int, Sequence[str]],
+                   vocab: Vocabulary, *, codec: RadixCodec | None, max_tokens: int, beam: int = 3,
+                   train_captions: Iterable[str] = (), params_convention: str = "full",
+                   spice_jars: str | Path | None = None, latency_images: int = 20, batch_size: int = 50,
+                   device: str | torch.device = "cpu", progress: bool = False) -> dict:
+    """Predictions + metrics JSON of one model on one split (DESIGN.md "Metrics")."""
+    preds = predict(model, source, rows, vocab, codec=codec, max_tokens=max_tokens, beam=beam,
+                    batch_size=batch_size, device=device, progress=progress)
+    scored = score(preds, references, spice_jars=spice_jars)
+    stats = caption_stats(preds, train_captions)
+    return {
+        "metrics": scored["metrics"],
+        "spice": scored["spice"],
+        "images": scored["images"],
+        "beam": beam,
+        "params": count(model, params_convention),
+        "params_convention": params_convention,
+        "latency_ms": latency_ms(model, source, rows, max_tokens=max_tokens, beam=beam, images=latency_images,
+                                 device=device),
+        "novel_fraction": stats["novel_fraction"],
+        "unique_fraction": stats["unique_fraction"],
+        "avg_length": stats["avg_length"],
+        "vocab_used": stats["vocab_used"],
+        "predictions": [{"image_id": k, "caption": v} for k, v in sorted(preds.items())],
+    }

@@ -1,0 +1,161 @@
+"""From config to training objects: which architecture a student name means at which size, how long its
+sequences are, which captions it trains on, and the train settings of each stage.
+
+One place maps the pipeline's vocabulary (``teacher.model``, ``students.names``/``size``, ``xe``/``scst``
+sections) onto the library (registry presets, :class:`TrainSettings`), so the CLI, the pipeline tasks and the
+benchmarks build identical models from identical configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from captioning.config import ModelConfig, PipelineConfig, SCSTConfig, XEConfig
+from captioning.data.karpathy import SPLIT_CODES
+from captioning.data.loader import CaptionDataset, FeatureSource
+from captioning.data.stores import GROUND_TRUTH, Labels
+from captioning.data.text import BOS, EOS, PAD, RadixCodec, Vocabulary
+from captioning.models.encoder_decoder import ArchConfig, Captioner
+from captioning.models.registry import PRESETS, for_vocab, preset, scaled
+from captioning.training.xe import TrainSettings
+
+#: student family -> the registry preset that stands for it (any registry preset name is accepted as well)
+FAMILIES: dict[str, str] = {
+    "aic": "aic",
+    "acort": "acort-base",
+    "expansionnet": "expansionnet",
+    "lw": "lw-1x",
+    "satic": "satic-k4",
+    "zodiac": "zodiac-sigmoid",
+}
+
+#: model sizes below the papers' ("base" = the preset exactly as published): d_model, layers, heads, d_ff
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "small": (256, 3, 8, 1024),
+    "demo": (128, 2, 4, 512),
+    "tiny": (32, 1, 2, 64),
+}
+
+
+def preset_name(name: str) -> str:
+    """A student family (``satic``) or a registry preset (``satic-k2``) -> the registry preset name."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if name in PRESETS:
+        return name
+    raise ValueError(f"unknown student {name!r}: use a family ({', '.join(FAMILIES)}) or a registry preset "
+                     f"({', '.join(sorted(PRESETS))})")
+
+
+def max_tokens(cfg: ArchConfig | Captioner, max_words: int, codec: RadixCodec | None) -> int:
+    """Output tokens a caption of ``max_words`` words needs, EOS included (radix: ``digits`` per word)."""
+    a = cfg.cfg if isinstance(cfg, Captioner) else cfg
+    per_word = codec.digits if (a.codec == "radix" and codec is not None) else 1
+    return max_words * per_word + 1
+
+
+def _adapt(arch: ArchConfig, vocab: Vocabulary, d_in: int, max_words: int, dropout: float | None) -> ArchConfig:
+    codec = vocab.radix()
+    k = arch.group_size
+    per_word = codec.digits if arch.codec == "radix" else 1
+    positions = -(-(max_words * per_word + 1 + k) // k) * k  # inputs: K starts + the caption, whole groups
+    out = for_vocab(arch, word_vocab_size=len(vocab), bos=BOS, eos=EOS, radix_size=codec.size, radix_bos=codec.bos,
+                    radix_eos=codec.eos, max_len=max(positions, arch.max_len if arch.pos_enc == "learned" else 0))
+    changes = {"d_in": d_in}
+    if dropout is not None:
+        changes["dropout"] = dropout
+    return out.replace(**changes)
+
+
+def teacher_arch(model: ModelConfig, vocab: Vocabulary, d_in: int, max_words: int) -> ArchConfig:
+    """The AIC teacher (or any preset named by ``teacher.model.arch``) at the configured size."""
+    base = preset(preset_name(model.arch))
+    sized = scaled(base, d_model=model.d_model, layers=model.layers, heads=model.heads, d_ff=model.d_ff)
+    return _adapt(sized, vocab, d_in, max_words, model.dropout)
+
+
+def student_arch(name: str, size: str, vocab: Vocabulary, d_in: int, max_words: int) -> ArchConfig:
+    """A student family/preset at ``size`` ("base" = as published, else :data:`SIZES`)."""
+    base = preset(preset_name(name))
+    if size == "base":
+        sized = base
+    elif size in SIZES:
+        d, n, h, f = SIZES[size]
+        sized = scaled(base, d_model=d, layers=n, heads=h, d_ff=f)
+    else:
+        raise ValueError(f"unknown size {size!r}: base or one of {', '.join(SIZES)}")
+    return _adapt(sized, vocab, d_in, max_words, None)
+
+
+def codec_for(arch: ArchConfig | Captioner, vocab: Vocabulary) -> RadixCodec | None:
+    a = arch.cfg if isinstance(arch, Captioner) else arch
+    return vocab.radix() if a.codec == "radix" else None
+
+
+def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None) -> TrainSettings:
+    lo = cfg.loader
+    return TrainSettings(epochs=epochs or xe.epochs, batch_size=lo.batch_size, schedule="noam",
+                         noam_factor=xe.noam_factor, warmup=xe.warmup, label_smoothing=xe.label_smoothing,
+                         clip=xe.clip, workers=lo.workers, seed=cfg.run.seed)
+
+
+def scst_settings(scst: SCSTConfig, cfg: PipelineConfig) -> TrainSettings:
+    lo = cfg.loader
+    return TrainSettings(epochs=scst.epochs, batch_size=lo.batch_size, schedule="constant", lr=scst.lr,
+                         clip=None, workers=lo.workers, seed=cfg.run.seed + 1)
+
+
+def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]:
+    """Label-store source codes for ``use`` = ground_truth | seqkd | both."""
+    codes = {v: k for k, v in labels.sources.items()}
+    out = []
+    if use in ("ground_truth", "both"):
+        out.append(GROUND_TRUTH)
+    if use in ("seqkd", "both"):
+        if seqkd_name is None or seqkd_name not in codes:
+            raise ValueError(f"no SeqKD source {seqkd_name!r} in the label store (have {sorted(codes)})")
+        out.append(codes[seqkd_name])
+    if not out:
+        raise ValueError(f"captions must be ground_truth, seqkd or both, got {use!r}")
+    return out
+
+
+def caption_dataset(source: FeatureSource, labels: Labels, cfg: PipelineConfig, *, codec: RadixCodec | None,
+                    split: str = "train", sources: list[int] | None = None, captions_per_image: int | None = None,
+                    seed_offset: int = 0) -> CaptionDataset:
+    lo = cfg.loader
+    return CaptionDataset(source, labels=labels, split=split, captions_per_image=captions_per_image or
+                          lo.captions_per_image, shuffle_buffer=lo.shuffle_buffer, seed=cfg.run.seed + seed_offset,
+                          codec=codec, sources=sources)
+
+
+@dataclass
+class References:
+    """Ground-truth captions per image of one split: word-id sequences (rewards) and strings (metrics)."""
+
+    ids: dict[int, list[list[int]]]
+    text: dict[int, list[str]]
+    rows: dict[int, int]
+
+
+def references(labels: Labels, vocab: Vocabulary, split: str) -> References:
+    """Ground-truth references of ``split`` from the label store (words outside the vocabulary are <unk>;
+    for metrics use the dataset's own captions when they are at hand)."""
+    sel = labels.select((labels.split == SPLIT_CODES[split]) & (labels.source == GROUND_TRUTH))
+    ids: dict[int, list[list[int]]] = {}
+    text: dict[int, list[str]] = {}
+    rows: dict[int, int] = {}
+    for tok, n, iid, row in zip(sel.tokens, sel.length, sel.image_id, sel.image_row, strict=True):
+        w = [int(t) for t in tok[: int(n)] if t != PAD]
+        ids.setdefault(int(iid), []).append(w)
+        text.setdefault(int(iid), []).append(" ".join(vocab.decode(w)))
+        rows[int(iid)] = int(row)
+    return References(ids, text, rows)
+
+
+def split_rows(labels: Labels, split: str, ok_rows: np.ndarray) -> np.ndarray:
+    """Feature-store rows of a split's images that have usable features."""
+    rows = np.unique(labels.image_row[(labels.split == SPLIT_CODES[split]) & (labels.source == GROUND_TRUTH)])
+    return np.intersect1d(rows, ok_rows)

@@ -1,0 +1,118 @@
+"""Self-critical sequence training (SCST) on CIDEr-D.
+
+Per batch: encode the images (train mode, with gradients), draw ``samples`` captions per image from the model
+(:func:`captioning.decoding.sample`, no graph), reward each with CIDEr-D against the image's references, subtract
+a baseline (mean of the *other* samples of the same image, or the greedy caption's reward), and re-score the
+sampled tokens by teacher forcing to get differentiable log-probs:
+
+    loss = - sum_{i,t} (r_i - b_i) * log p(y_{i,t}) / number of rewarded tokens
+
+Rewards are computed on *words* (radix digits are decoded first) with the end-of-sentence token included: the
+references all end in ``<eos>`` and a sample gets its ``<eos>`` appended when it emitted one, so a caption is
+rewarded for stopping in the right place (the convention of the SCST/M2 code bases). Document frequencies come
+from the training references, computed once.
+
+Training runs through :func:`captioning.training.xe.train` with this loss (constant learning rate by default),
+so SCST has the same checkpoint/resume guarantees as XE: sampling draws from torch's global generator, whose
+state is saved with every epoch checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from captioning.data.text import EOS, PAD, RadixCodec
+from captioning.decoding import greedy, sample
+from captioning.metrics.cider import CiderD
+
+
+@dataclass
+class ScstStats:
+    reward: float = 0.0
+    baseline: float = 0.0
+    samples: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        n = max(self.samples, 1)
+        return {"reward": self.reward / n, "baseline_reward": self.baseline / n}
+
+
+class ScstLoss:
+    """The SCST objective as a ``loss_fn(model, batch)`` for :func:`captioning.training.xe.train`.
+
+    ``references``: ``{image id: [caption word ids (no BOS/EOS), ...]}`` of the training images.
+    ``codec``: the radix codec when the model emits radix digits. ``max_tokens``: longest sampled output
+    (tokens, EOS included)."""
+
+    def __init__(self, references: Mapping[Hashable, Sequence[Sequence[int]]], *, samples: int = 5,
+                 baseline: str = "mean", max_tokens: int = 17, codec: RadixCodec | None = None,
+                 temperature: float = 1.0):
+        if baseline not in ("mean", "greedy"):
+            raise ValueError(f"baseline must be 'mean' or 'greedy', got {baseline!r}")
+        if baseline == "mean" and samples < 2:
+            raise ValueError("the mean-of-others baseline needs at least 2 samples per image")
+        if not references:
+            raise ValueError("SCST needs reference captions")
+        self.cider = CiderD.from_token_ids({k: [[*map(int, r), EOS] for r in refs] for k, refs in references.items()})
+        self.samples, self.baseline, self.max_tokens = samples, baseline, max_tokens
+        self.codec, self.temperature = codec, temperature
+        self.stats = ScstStats()
+
+    # ------------------------------------------------------------------ rewards
+    def words(self, tokens: torch.Tensor) -> list[list[int]]:
+        """Output tokens (N, L) -> word ids per row, with EOS appended when the row emitted one."""
+        out = []
+        for row in tokens.tolist():
+            if self.codec is not None:
+                ids = self.codec.decode_caption(row)
+                ended = self.codec.eos in row
+            else:
+                ids = []
+                ended = False
+                for t in row:
+                    if t == EOS:
+                        ended = True
+                        break
+                    if t == PAD:
+                        break
+                    ids.append(t)
+            out.append([*ids, EOS] if ended else ids)
+        return out
+
+    def rewards(self, tokens: torch.Tensor, image_ids: Sequence[Hashable]) -> np.ndarray:
+        """CIDEr-D of each row of ``tokens`` against the references of ``image_ids`` (one per row)."""
+        return self.cider.score_batch(self.words(tokens), list(image_ids))
+
+    def pop_stats(self) -> dict[str, float]:
+        out = self.stats.as_metrics()
+        self.stats = ScstStats()
+        return out
+
+    # ------------------------------------------------------------------ loss
+    def __call__(self, model, batch) -> torch.Tensor:
+        n = self.samples
+        memory = model.encode(batch.features, batch.boxes, batch.region_mask)
+        drawn = sample(model, memory, n=n, max_len=self.max_tokens, temperature=self.temperature)
+        toks = drawn.tokens.reshape(-1, drawn.tokens.shape[-1])  # (B*n, L), image b -> rows b*n..b*n+n-1
+        ids = batch.image_ids.tolist()
+        reward = self.rewards(toks, [i for i in ids for _ in range(n)]).reshape(len(ids), n)
+        if self.baseline == "mean":
+            base = (reward.sum(1, keepdims=True) - reward) / (n - 1)
+        else:
+            g = greedy(model, memory, max_len=self.max_tokens)
+            base = np.repeat(self.rewards(g.flat(), ids)[:, None], n, axis=1)
+        self.stats.reward += float(reward.sum())
+        self.stats.baseline += float(base.sum())
+        self.stats.samples += reward.size
+        adv = torch.as_tensor((reward - base).reshape(-1), dtype=torch.float32, device=toks.device)
+
+        targets = torch.cat([torch.full_like(toks[:, :1], model.bos), toks], 1)
+        inputs, y = model.teacher_inputs(targets)
+        logp = model.forward(None, None, None, inputs, memory=memory.repeat(n))
+        tok_logp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        mask = (y != PAD).float()
+        return -(adv[:, None] * tok_logp * mask).sum() / mask.sum().clamp(min=1.0)

@@ -1,0 +1,187 @@
+"""The training stages of the pipeline as plain functions: XE (teacher or student), SeqKD, SCST, evaluation.
+
+Each takes a :class:`StageContext` (config, vocabulary, label store, feature store, references) and a
+checkpoint folder, so a stage that is killed resumes from its last epoch checkpoint when called again. The
+Prefect tasks, ``capflow train`` and ``capflow bench learning`` call these; none of them re-implements
+training logic. Nothing here knows about Prefect or MLflow: per-epoch metrics go to ``on_epoch``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from captioning.config import PipelineConfig
+from captioning.data.karpathy import Dataset
+from captioning.data.loader import FeatureSource, ZarrFeatures
+from captioning.data.stores import Labels, LabelStore
+from captioning.data.text import Vocabulary
+from captioning.metrics.report import evaluate_model, greedy_cider_validator
+from captioning.models.encoder_decoder import ArchConfig, Captioner
+from captioning.models.registry import PAPER_PARAMS
+from captioning.training import checkpoint
+from captioning.training.distill import SeqKDReport, generate_seqkd
+from captioning.training.recipe import (
+    caption_dataset,
+    codec_for,
+    label_sources,
+    max_tokens,
+    preset_name,
+    references,
+    scst_settings,
+    split_rows,
+    xe_settings,
+)
+from captioning.training.scst import ScstLoss
+from captioning.training.xe import TrainResult, TrainSettings, load_model, train
+
+log = logging.getLogger(__name__)
+EpochFn = Callable[[int, dict[str, Any]], None]
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} requested but CUDA is not available")
+    return dev
+
+
+@dataclass
+class StageContext:
+    cfg: PipelineConfig
+    vocab: Vocabulary
+    labels_uri: str
+    source: FeatureSource
+    dataset: Dataset | None = None  # for metric references (full captions) and novelty; else the label store
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        self._labels: Labels | None = None
+
+    @classmethod
+    def from_paths(cls, cfg: PipelineConfig, vocab_path: str | Path, labels_uri: str, features_uri: str,
+                   dataset: Dataset | None = None, progress: bool = False) -> StageContext:
+        return cls(cfg, Vocabulary.load(vocab_path), labels_uri, ZarrFeatures(features_uri), dataset,
+                   resolve_device(cfg.run.device), progress)
+
+    @property
+    def labels(self) -> Labels:
+        if self._labels is None:
+            self._labels = LabelStore.open(self.labels_uri).read()
+        return self._labels
+
+    def reload_labels(self) -> None:
+        self._labels = None
+
+    @property
+    def d_in(self) -> int:
+        src = self.source
+        return int(src.store.feature_dim) if isinstance(src, ZarrFeatures) else int(src.read(src.ok_rows()[:1])
+                                                                                     .features[0].shape[1])
+
+    def rows(self, split: str) -> np.ndarray:
+        return split_rows(self.labels, split, self.source.ok_rows())
+
+    def text_references(self, split: str) -> dict[int, list[str]]:
+        if self.dataset is not None:
+            return {e.image_id: list(e.captions) for e in self.dataset.split(split)}
+        return references(self.labels, self.vocab, split).text
+
+    def train_captions(self) -> list[str]:
+        if self.dataset is not None:
+            return [c for e in self.dataset.split("train") for c in e.captions]
+        return [c for v in references(self.labels, self.vocab, "train").text.values() for c in v]
+
+    def max_tokens(self, model: Captioner | ArchConfig) -> int:
+        return max_tokens(model, self.cfg.dataset.max_words, self.vocab.radix())
+
+    def validator(self, model: Captioner):
+        codec = codec_for(model, self.vocab)
+        return greedy_cider_validator(self.source, self.rows("val"), self.text_references("val"), self.vocab,
+                                      codec=codec, max_tokens=self.max_tokens(model), device=self.device)
+
+
+def fit_xe(ctx: StageContext, arch: ArchConfig, ckpt_dir: str | Path, *, settings: TrainSettings | None = None,
+           captions: str = "ground_truth", seqkd_source: str | None = None,
+           init_from: str | Path | None = None, on_epoch: EpochFn | None = None,
+           stop_after_steps: int | None = None) -> tuple[Captioner, TrainResult, dict[str, Any]]:
+    """XE training of ``arch`` (teacher or student) on ground truth / SeqKD / both; resumes from ckpt_dir.
+
+    ``init_from``: a checkpoint whose matching tensors initialise the model (SATIC weight-init from the teacher).
+    Returns the best-validation model, the train result and an info dict (init report, sources)."""
+    s = settings or xe_settings(ctx.cfg.students.xe, ctx.cfg)
+    torch.manual_seed(s.seed)
+    model = Captioner(arch)
+    info: dict[str, Any] = {"captions": captions, "seqkd_source": seqkd_source}
+    if init_from is not None and not (Path(ckpt_dir) / "last.pt").exists():
+        st = checkpoint.load(init_from)
+        rep = checkpoint.init_from(model, st["state_dict"])
+        info["init_from"] = str(init_from)
+        info["init_loaded"], info["init_skipped"] = len(rep["loaded"]), len(rep["skipped"])
+    codec = codec_for(arch, ctx.vocab)
+    data = caption_dataset(ctx.source, ctx.labels, ctx.cfg, codec=codec,
+                           sources=label_sources(ctx.labels, captions, seqkd_source))
+    res = train(model, data, s, ckpt_dir, validate=ctx.validator(model), on_epoch=on_epoch, device=ctx.device,
+                vocab_digest=ctx.vocab.digest(), progress=ctx.progress, stop_after_steps=stop_after_steps)
+    best, _ = load_model(res.best_checkpoint or res.last_checkpoint, device=ctx.device)
+    return best, res, info
+
+
+def seqkd(ctx: StageContext, teacher: Captioner, name: str) -> SeqKDReport:
+    """Teacher captions of the training images -> label-store source ``name`` (idempotent per name)."""
+    existing = ctx.labels.sources.values()
+    if name in existing:
+        raise ValueError(f"SeqKD source {name!r} is already in {ctx.labels_uri}")
+    rep = generate_seqkd(teacher, ctx.source, ctx.labels_uri, ctx.vocab, name=name, codec=codec_for(teacher, ctx.vocab),
+                         beam=ctx.cfg.students.seqkd_beam, max_words=ctx.cfg.dataset.max_words,
+                         device=ctx.device, progress=ctx.progress)
+    ctx.reload_labels()
+    return rep
+
+
+def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Path, *,
+             settings: TrainSettings | None = None, on_epoch: EpochFn | None = None,
+             stop_after_steps: int | None = None) -> tuple[Captioner, TrainResult]:
+    """SCST fine-tuning starting from ``init_checkpoint`` (the XE best); resumes from ckpt_dir/last.pt."""
+    sc = ctx.cfg.students.scst
+    s = settings or scst_settings(sc, ctx.cfg)
+    model, _ = load_model(init_checkpoint, device=ctx.device)
+    codec = codec_for(model, ctx.vocab)
+    refs = references(ctx.labels, ctx.vocab, "train").ids
+    loss = ScstLoss(refs, samples=sc.samples, baseline=sc.baseline, max_tokens=ctx.max_tokens(model), codec=codec)
+    data = caption_dataset(ctx.source, ctx.labels, ctx.cfg, codec=codec, captions_per_image=1, seed_offset=1)
+
+    def epoch_done(epoch: int, metrics: dict[str, Any]) -> None:
+        metrics.update(loss.pop_stats())
+        if on_epoch is not None:
+            on_epoch(epoch, metrics)
+
+    res = train(model, data, s, ckpt_dir, validate=ctx.validator(model), on_epoch=epoch_done, device=ctx.device,
+                vocab_digest=ctx.vocab.digest(), loss_fn=loss, progress=ctx.progress,
+                stop_after_steps=stop_after_steps)
+    best, _ = load_model(res.best_checkpoint or res.last_checkpoint, device=ctx.device)
+    return best, res
+
+
+def params_convention(arch_name: str) -> str:
+    name = preset_name(arch_name)
+    return PAPER_PARAMS.get(name, (None, "full"))[1]
+
+
+def evaluate(ctx: StageContext, model: Captioner, *, split: str = "test", arch_name: str = "aic",
+             latency_images: int = 20) -> dict[str, Any]:
+    """Beam-decode ``split`` and score it (metrics, params, latency, novelty, length, predictions)."""
+    return evaluate_model(
+        model, ctx.source, ctx.rows(split), ctx.text_references(split), ctx.vocab, codec=codec_for(model, ctx.vocab),
+        max_tokens=ctx.max_tokens(model), beam=ctx.cfg.evaluation.beam, train_captions=ctx.train_captions(),
+        params_convention=params_convention(arch_name), spice_jars=ctx.cfg.evaluation.spice_jars,
+        latency_images=latency_images, device=ctx.device, progress=ctx.progress)

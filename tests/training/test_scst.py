@@ -1,0 +1,129 @@
+"""SCST: rewards on words with EOS, baselines, re-scored log-probs equal the sampler's, kill-and-resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from captioning.data.text import EOS, PAD, RadixCodec
+from captioning.decoding import sample
+from captioning.metrics.cider import CiderD
+from captioning.models.encoder_decoder import Captioner
+from captioning.training import checkpoint
+from captioning.training.recipe import student_arch, teacher_arch, xe_settings
+from captioning.training.scst import ScstLoss
+from captioning.training.stages import fit_scst, fit_xe
+
+REFS = {1: [[5, 6, 7], [5, 6, 8]], 2: [[9, 10], [9, 11, 12]]}
+
+
+def test_words_append_eos_only_when_emitted_and_decode_radix():
+    loss = ScstLoss(REFS, samples=2, max_tokens=8)
+    toks = torch.tensor([[5, 6, 7, EOS, PAD], [5, 6, 7, 8, 9]])
+    assert loss.words(toks) == [[5, 6, 7, EOS], [5, 6, 7, 8, 9]]
+    codec = RadixCodec(base=4, num_words=20)  # 3 digits per word
+    digits = codec.encode_caption([5, 6, 7])[1:]  # drop BOS; ends with the codec's EOS
+    rl = ScstLoss(REFS, samples=2, max_tokens=20, codec=codec)
+    assert rl.words(torch.tensor([digits])) == [[5, 6, 7, EOS]]
+    assert rl.words(torch.tensor([digits[:-1]])) == [[5, 6, 7]]
+
+
+def test_rewards_are_cider_d_with_eos_appended():
+    loss = ScstLoss(REFS, samples=2, max_tokens=8)
+    toks = torch.tensor([[5, 6, 7, EOS], [5, 6, 7, 0], [9, 10, EOS, 0]])
+    got = loss.rewards(toks, [1, 1, 2])
+    ref = CiderD({k: [" ".join(map(str, [*r, EOS])) for r in v] for k, v in REFS.items()})
+    want = ref.score_batch(["5 6 7 2", "5 6 7", "9 10 2"], [1, 1, 2])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    assert got[0] > got[1] > 0  # stopping where the references stop is rewarded
+
+
+def _tiny(name: str, vocab_size=40, radix=False):
+    from captioning.models.registry import preset, scaled
+
+    cfg = scaled(preset(name), d_model=32, layers=1, heads=2, d_ff=64).replace(d_in=12, vocab_size=vocab_size,
+                                                                               max_len=24, dropout=0.0)
+    if radix:
+        cfg = cfg.replace(vocab_size=7, bos=5, eos=6)
+    torch.manual_seed(1)
+    return Captioner(cfg).eval()
+
+
+@pytest.mark.parametrize("name", ["aic", "satic-k2", "acort-base"])
+def test_teacher_forced_rescoring_equals_sampled_logprobs(name):
+    """SCST's gradient path re-scores the samples: it must give the sampler's own log-probs."""
+    model = _tiny(name, radix=name.startswith("acort"))
+    feats, boxes = torch.randn(3, 5, 12), torch.rand(3, 5, 4)
+    boxes[..., 2:] += boxes[..., :2]
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    with torch.no_grad():
+        memory = model.encode(feats, boxes, mask)
+        drawn = sample(model, memory, n=4, max_len=12, generator=torch.Generator().manual_seed(0))
+        toks = drawn.tokens.reshape(-1, drawn.tokens.shape[-1])
+        targets = torch.cat([torch.full_like(toks[:, :1], model.bos), toks], 1)
+        inputs, y = model.teacher_inputs(targets)
+        logp = model.forward(None, None, None, inputs, memory=memory.repeat(4))
+        rescored = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1) * (y != PAD)
+    assert (y != PAD).sum() > 12
+    torch.testing.assert_close(rescored, drawn.token_logprobs.reshape(rescored.shape), atol=1e-5, rtol=1e-5)
+
+
+def test_mean_of_others_baseline_and_gradient_direction():
+    """With the mean-of-others baseline the advantages of an image sum to zero; a step raises the log-prob
+    of the better-than-average samples."""
+    model = _tiny("aic").train()
+    loss = ScstLoss({7: [[3, 4, 5]], 8: [[6, 7]]}, samples=4, max_tokens=6)
+
+    class B:
+        features = torch.randn(2, 5, 12)
+        boxes = torch.rand(2, 5, 4)
+        region_mask = torch.ones(2, 5, dtype=torch.bool)
+        image_ids = torch.tensor([7, 8])
+
+    torch.manual_seed(0)
+    value = loss(model, B)
+    value.backward()
+    st = loss.pop_stats()
+    assert st["reward"] == pytest.approx(st["baseline_reward"], abs=1e-12)  # mean of others: same average
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(ValueError, match="at least 2"):
+        ScstLoss(REFS, samples=1)
+    greedy_loss = ScstLoss({7: [[3, 4, 5]], 8: [[6, 7]]}, samples=1, baseline="greedy", max_tokens=6)
+    greedy_loss(model, B).backward()
+
+
+def test_scst_kill_and_resume_gives_identical_weights(synth_ctx, tmp_path):
+    ctx = synth_ctx
+    cfg = ctx.cfg
+    arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+    xe = xe_settings(cfg.teacher.xe, cfg, epochs=2)
+    _, res, _ = fit_xe(ctx, arch, tmp_path / "xe", settings=xe)
+    init = res.best_checkpoint
+    cfg.students.scst.epochs = 2
+    cfg.students.scst.samples = 3
+    ref, r1 = fit_scst(ctx, init, tmp_path / "ref")
+    assert r1.epochs_run == 2 and all("reward" in h for h in r1.history)
+    steps_per_epoch = -(-len(ctx.rows("train")) // cfg.loader.batch_size)
+    with pytest.raises(KeyboardInterrupt):
+        fit_scst(ctx, init, tmp_path / "killed", stop_after_steps=steps_per_epoch + 2)  # dies in epoch 2
+    assert checkpoint.load(tmp_path / "killed" / "last.pt")["epoch"] == 0
+    _, r2 = fit_scst(ctx, init, tmp_path / "killed")
+    assert r2.resumed_from_epoch == 1
+    a = checkpoint.load(tmp_path / "ref" / "last.pt")["state_dict"]
+    b = checkpoint.load(tmp_path / "killed" / "last.pt")["state_dict"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    x = checkpoint.load(init)["state_dict"]
+    assert any(not torch.equal(a[k], x[k]) for k in a)  # SCST changed the weights
+
+
+def test_radix_student_scst_step(synth_ctx, tmp_path):
+    ctx = synth_ctx
+    cfg = ctx.cfg
+    arch = student_arch("acort", "tiny", ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+    assert arch.codec == "radix"
+    _, res, _ = fit_xe(ctx, arch, tmp_path / "xe", settings=xe_settings(cfg.students.xe, cfg, epochs=1))
+    cfg.students.scst.epochs = 1
+    _, r = fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
+    assert np.isfinite(r.history[0]["loss"]) and r.history[0]["reward"] >= 0
