@@ -95,6 +95,11 @@ class ExtractorConfig(Section):
 
 
 class FeaturesConfig(Section):
+    source: Literal["detector", "synthetic-informative"] = Field(
+        "detector",
+        description="detector: extract with detectron2; synthetic-informative: write the synthetic dataset's "
+        "object attributes as region features (training checks independent of the detector)",
+    )
     store: str | None = Field(None, description="Feature store URI (path or s3://); unset = <workdir>/features/")
     min_boxes: int = Field(10, ge=1, description="Fewest boxes kept per image")
     max_boxes: int = Field(100, ge=1, description="Most boxes kept per image (= B_max of the store)")

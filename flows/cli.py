@@ -244,6 +244,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         names = args.presets.split(",") if args.presets else None
         result = run_decode(names=names, repeats=args.repeats or 5, device=args.device, threads=args.threads_decode)
+    elif args.name == "learning":
+        from captioning.bench.learning import run as run_learning
+
+        result = run_learning(preset=args.preset or "learning", overrides=tuple(args.overrides), workdir=args.tmp,
+                              progress=not args.json)
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
@@ -327,17 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
-    b.add_argument("name", choices=["loader", "extract", "decode", "cider"],
+    b.add_argument("name", choices=["loader", "extract", "decode", "cider", "learning"],
                    help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
                    "decode: greedy latency/throughput of every architecture vs AIC; "
-                   "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs")
+                   "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs; "
+                   "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline")
     b.add_argument("--external", help="cider: folder of the external COCO material (default ../shared/external)")
     b.add_argument("--device", default="cpu", help="decode: torch device (cpu, cuda)")
     b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
     b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
-    b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo)")
+    b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo); "
+                   "learning: training preset (default learning)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extract: config overrides")
+                   help="extract, learning: config overrides")
     b.add_argument("--threads", type=int, default=1, help="extract: torch threads per model")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48)")

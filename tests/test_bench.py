@@ -38,3 +38,31 @@ def test_bench_decode_reports_speedups():
     assert res["ratios"]["satic_k2_vs_aic"] == aic["latency_ms_batch1"] / k2["latency_ms_batch1"]
     assert res["ratios"]["cached_vs_uncached"] == aic["uncached_latency_ms_batch1"] / aic["latency_ms_batch1"]
     assert all(r["encoder_ms_batch1"] > 0 and r["images_per_s_batch2"] > 0 for r in res["rows"])
+
+
+def test_bench_learning_cli_json_small(capsys, tmp_path):
+    """Every stage of the learning bench at the smallest size: structure, consistency, the baseline."""
+    sets = ["dataset.synthetic.num_images=48", "dataset.synthetic.val_fraction=0.2",
+            "dataset.synthetic.test_fraction=0.2", "students.size=tiny", "teacher.model.d_model=32",
+            "teacher.model.layers=1", "teacher.model.heads=2", "teacher.model.d_ff=64", "teacher.xe.epochs=1",
+            "students.xe.epochs=1", "students.scst.epochs=1", "students.scst.samples=2", "loader.batch_size=16",
+            "evaluation.beam=2", "students.seqkd_beam=2"]
+    rc = main(["bench", "learning", "--json", "--tmp", str(tmp_path), *[a for s in sets for a in ("--set", s)]])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bench"] == "learning" and out["images"] == 48
+    assert set(out["models"]) == {"aic", "acort", "expansionnet", "lw", "satic", "zodiac"}
+    assert set(out["satic_ablation"]) == {"base", "seqkd", "weight_init"}
+    assert out["models"]["satic"] == out["satic_ablation"]["weight_init"]
+    abl = out["satic_ablation"]
+    assert abl["weight_init"]["init"] == "teacher" and abl["weight_init"]["init_tensors_loaded"] > 0
+    assert abl["base"]["init"] == "random" and abl["base"]["captions"] == "ground_truth"
+    assert abl["seqkd"]["captions"] == "seqkd"
+    for m in out["models"].values():
+        for stage in ("xe", "scst"):
+            assert m[stage]["CIDEr"] >= 0 and m[stage]["SPICE"] is None and m[stage]["params"] > 0
+    assert len(out["rows"]) == 2 * 8  # aic, acort, expansionnet, lw, zodiac, 3 SATIC variants
+    assert out["baseline_cider"] == out["baseline_metrics"]["CIDEr"] >= 0
+    assert out["seqkd"]["captions"] == out["splits"]["train"]
+    worst = min(m["xe"]["CIDEr"] for m in out["models"].values())
+    assert out["ratios"]["xe_vs_baseline_min"] == worst / max(out["baseline_cider"], 1e-9)

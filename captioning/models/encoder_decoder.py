@@ -331,9 +331,14 @@ class Captioner(nn.Module):
         inputs = torch.cat([start, y[:, : max(y.shape[1] - k, 0)]], 1)[:, : y.shape[1]]
         return inputs, y
 
-    def xe_loss(self, features, boxes, region_mask, targets: torch.Tensor, label_smoothing: float = 0.0
-                ) -> torch.Tensor:
-        """Mean token cross-entropy; ``targets`` (B, C, T+1) or (N, T+1) with the images repeated C times."""
+    def xe_loss(self, features, boxes, region_mask, targets: torch.Tensor, label_smoothing: float = 0.0,
+                reduction: str = "mean") -> torch.Tensor:
+        """Mean token cross-entropy; ``targets`` (B, C, T+1) or (N, T+1) with the images repeated C times.
+
+        ``reduction="sum"`` gives the sum over the target tokens instead (data-parallel training divides it by
+        the global token count)."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         if targets.dim() == 3:
             b, c, t = targets.shape
             targets = targets.reshape(b * c, t)
@@ -342,13 +347,14 @@ class Captioner(nn.Module):
             memory = self.encode(features, boxes, region_mask)
         inputs, y = self.teacher_inputs(targets)
         logp = self.forward(None, None, None, inputs, memory=memory)
-        return F.nll_loss(logp.reshape(-1, logp.shape[-1]), y.reshape(-1), ignore_index=PAD) if not label_smoothing \
-            else _smoothed_nll(logp, y, label_smoothing)
+        if not label_smoothing:
+            return F.nll_loss(logp.reshape(-1, logp.shape[-1]), y.reshape(-1), ignore_index=PAD, reduction=reduction)
+        return _smoothed_nll(logp, y, label_smoothing, reduction)
 
 
-def _smoothed_nll(logp: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
+def _smoothed_nll(logp: torch.Tensor, y: torch.Tensor, eps: float, reduction: str = "mean") -> torch.Tensor:
     valid = y != PAD
     nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     smooth = -logp.mean(-1)
     loss = (1 - eps) * nll + eps * smooth
-    return loss[valid].mean()
+    return loss[valid].sum() if reduction == "sum" else loss[valid].mean()

@@ -5,7 +5,7 @@ Per batch: encode the images (train mode, with gradients), draw ``samples`` capt
 a baseline (mean of the *other* samples of the same image, or the greedy caption's reward), and re-score the
 sampled tokens by teacher forcing to get differentiable log-probs:
 
-    loss = - sum_{i,t} (r_i - b_i) * log p(y_{i,t}) / number of rewarded tokens
+    loss = - sum_{i,t} (r_i - b_i) * log p(y_{i,t}) / number of rewarded tokens (over the global batch)
 
 Rewards are computed on *words* (radix digits are decoded first) with the end-of-sentence token included: the
 references all end in ``<eos>`` and a sample gets its ``<eos>`` appended when it emitted one, so a caption is
@@ -93,7 +93,9 @@ class ScstLoss:
         return out
 
     # ------------------------------------------------------------------ loss
-    def __call__(self, model, batch) -> torch.Tensor:
+    def __call__(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the per-token losses, number of rewarded tokens): the trainer divides by the global count,
+        so data-parallel training is exact."""
         n = self.samples
         memory = model.encode(batch.features, batch.boxes, batch.region_mask)
         drawn = sample(model, memory, n=n, max_len=self.max_tokens, temperature=self.temperature)
@@ -115,4 +117,4 @@ class ScstLoss:
         logp = model.forward(None, None, None, inputs, memory=memory.repeat(n))
         tok_logp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         mask = (y != PAD).float()
-        return -(adv[:, None] * tok_logp * mask).sum() / mask.sum().clamp(min=1.0)
+        return -(adv[:, None] * tok_logp * mask).sum(), mask.sum()

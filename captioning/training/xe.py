@@ -6,6 +6,15 @@ gradient clipping by value, AMP on CUDA; then validation (a callable returning m
 the val split), ``last.pt`` always and ``best.pt`` when the validation score improves, early stopping after
 ``patience`` epochs without improvement. A killed run restarts from ``last.pt`` (weights, optimizer, scheduler,
 RNG state): on CPU it ends with the same weights as an uninterrupted run.
+
+Data-parallel: called inside an initialised ``torch.distributed`` process group of N > 1 processes (see
+:func:`captioning.training.ddp.launch`), :func:`train` trains with DistributedDataParallel. Every rank iterates the
+same loader (same seed, so the same global batches) and trains on its own contiguous slice of each global batch;
+the loss is normalised by the global number of target tokens, so N processes take the same steps as one process
+on the same global batches (up to float rounding, without dropout: each rank draws its own dropout masks).
+Rank 0 validates, writes the checkpoints and calls ``on_epoch``; the metrics go to every rank, so all ranks take
+the same best-epoch and early-stopping decisions. Every rank resumes from ``last.pt``, which also holds each
+rank's RNG state.
 """
 
 from __future__ import annotations
@@ -17,12 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from captioning.data.loader import CaptionDataset, make_loader
-from captioning.models.encoder_decoder import Captioner
-from captioning.training import checkpoint
+from captioning.models.encoder_decoder import PAD, Captioner
+from captioning.training import checkpoint, ddp
 from captioning.training.schedules import constant, noam, step_decay
 
 log = logging.getLogger(__name__)
@@ -71,11 +83,67 @@ def make_optimizer(model: torch.nn.Module, s: TrainSettings, steps_per_epoch: in
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
 
-StepFn = Callable[[Captioner, Any], torch.Tensor]
+StepFn = Callable[[Captioner, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor | int | float]]
 
 
 def _xe_step(model: Captioner, batch, s: TrainSettings) -> torch.Tensor:
     return model.xe_loss(batch.features, batch.boxes, batch.region_mask, batch.tokens, s.label_smoothing)
+
+
+def _xe_sum_step(model: Captioner, batch, s: TrainSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the token losses, number of target tokens): the XE loss as data-parallel training needs it."""
+    total = model.xe_loss(batch.features, batch.boxes, batch.region_mask, batch.tokens, s.label_smoothing,
+                          reduction="sum")
+    return total, (batch.tokens[..., 1:] != PAD).sum()
+
+
+def _sum_count(out: Any, images: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss_fn result as (sum, count): a (sum, count) pair as is, a plain tensor as a mean over the images."""
+    if isinstance(out, tuple | list):
+        total, count = out
+        return total, torch.as_tensor(count, device=total.device).to(torch.float64)
+    return out * images, torch.tensor(float(images), dtype=torch.float64, device=out.device)
+
+
+class _LossModule(torch.nn.Module):
+    """What DistributedDataParallel wraps: ``forward(batch) = loss_fn(model, batch)``, so any loss (XE, SCST with
+    its sampling) runs inside DDP's forward."""
+
+    def __init__(self, model: Captioner, fn: StepFn):
+        super().__init__()
+        self.model = model
+        self.fn = fn
+
+    def forward(self, batch):
+        return self.fn(self.model, batch)
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def _dist_loss(wrapped: DistributedDataParallel, batch, rank: int, world: int, autocast: bool
+               ) -> tuple[torch.Tensor, float]:
+    """This rank's share of a global batch through DDP -> (loss to backpropagate, global mean loss).
+
+    The loss is ``sum_r / count * world``: DDP averages the gradients over the ranks, so the synchronised gradient
+    is that of ``sum_all / count``, the global-batch mean. A rank without images (a last batch smaller than the
+    world) still runs forward/backward (on one image, weighted 0) because every rank must join the gradient
+    all-reduce."""
+    part = ddp.shard(batch, rank, world)
+    empty = len(part) == 0
+    if empty:
+        part = ddp.slice_batch(batch, 0, 1)
+    with torch.autocast(batch.features.device.type, enabled=autocast):
+        out = wrapped(part)
+    total, count = _sum_count(out, len(part))
+    if empty:
+        total, count = total * 0, count * 0
+    stats = torch.stack([total.detach().to(torch.float64), count])
+    dist.all_reduce(stats)
+    g_total, g_count = stats.tolist()
+    g_count = max(g_count, 1.0)
+    return total * (world / g_count), g_total / g_count
 
 
 def train(
@@ -92,19 +160,37 @@ def train(
     loss_fn: StepFn | None = None,
     progress: bool = True,
     stop_after_steps: int | None = None,
+    distributed: bool | None = None,
 ) -> TrainResult:
     """Train until ``settings.epochs`` (resuming from ``ckpt_dir/last.pt`` if present).
 
-    ``loss_fn(model, batch)`` replaces the XE loss (SCST uses this loop with its own loss).
-    ``stop_after_steps`` interrupts the run (tests of kill-and-resume)."""
+    ``loss_fn(model, batch)`` replaces the XE loss (SCST uses this loop with its own loss). It returns either a
+    scalar tensor, the mean loss over the batch's *images* (equal weight per image), or a pair ``(sum, count)``:
+    a sum of per-unit losses (e.g. tokens) and the number of units, the loss being ``sum / count``. Only the
+    pair is exact data-parallel when units per image vary (the loss is then normalised by the global count);
+    a plain tensor is weighted by the rank's share of the global batch's images.
+    ``stop_after_steps`` interrupts the run (tests of kill-and-resume).
+
+    ``distributed``: None (default) trains data-parallel when called inside an initialised ``torch.distributed``
+    process group of more than one process; False forces single-process training. In data-parallel mode
+    ``settings.batch_size`` is the global batch size, ``validate``/``on_epoch`` run on rank 0 only, and
+    ``device`` is this rank's device (:func:`captioning.training.ddp.rank_device`)."""
     s = settings
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    rank, world = ddp.world()
+    if distributed is False or world == 1:
+        rank, world = 0, 1
+    elif distributed is True and world == 1:
+        raise RuntimeError("distributed=True needs an initialised process group of more than one process")
     ckpt_dir = Path(ckpt_dir)
     model.to(dev)
     loader = make_loader(data, s.batch_size, workers=s.workers, pin_memory=dev.type == "cuda")
     steps_per_epoch = max(1, -(-len(data) // s.batch_size))
     opt, sched = make_optimizer(model, s, steps_per_epoch)
     scaler = torch.amp.GradScaler("cuda", enabled=s.amp and dev.type == "cuda")
+    autocast = s.amp and dev.type == "cuda"
     start_epoch, step, best, best_epoch, history = 0, 0, float("-inf"), -1, []
     last = ckpt_dir / "last.pt"
     if last.exists():
@@ -116,21 +202,38 @@ def train(
         start_epoch, step = st["epoch"] + 1, st["step"]
         best, best_epoch = st["extra"].get("best", best), st["extra"].get("best_epoch", best_epoch)
         history = st["extra"].get("history", [])
-        log.info("resuming from %s (epoch %d done)", last, st["epoch"])
+        if world > 1:  # each rank continues its own random streams (another world size: fresh per-rank seeds)
+            per_rank = st["extra"].get("rank_rng") or []
+            if len(per_rank) == world:
+                checkpoint.set_rng_state(per_rank[rank])
+            elif rank:
+                torch.manual_seed(_rank_seed(s.seed + start_epoch, rank))
+        if rank == 0:
+            log.info("resuming from %s (epoch %d done)", last, st["epoch"])
     else:
-        torch.manual_seed(s.seed)
+        torch.manual_seed(s.seed if rank == 0 else _rank_seed(s.seed, rank))
     fn = loss_fn or (lambda m, b: _xe_step(m, b, s))
+    wrapped = None
+    if world > 1:  # DDP broadcasts rank 0's weights here and averages the gradients in backward
+        dist_fn = loss_fn or (lambda m, b: _xe_sum_step(m, b, s))
+        wrapped = DistributedDataParallel(_LossModule(model, dist_fn),
+                                          device_ids=[dev.index] if dev.type == "cuda" else None)
     epoch = start_epoch - 1
     for epoch in range(start_epoch, s.epochs):
         model.train()
         data.set_epoch(epoch)
         t0, seen, total = time.perf_counter(), 0, 0.0
-        bar = tqdm(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{s.epochs}", disable=not progress,
-                   leave=False)
+        bar = tqdm(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{s.epochs}",
+                   disable=not progress or rank != 0, leave=False)
         for batch in bar:
             batch = batch.to(dev, non_blocking=True)
-            with torch.autocast(dev.type, enabled=s.amp and dev.type == "cuda"):
-                loss = fn(model, batch)
+            if wrapped is None:
+                with torch.autocast(dev.type, enabled=autocast):
+                    loss = fn(model, batch)
+                if isinstance(loss, tuple | list):
+                    loss = loss[0] / torch.as_tensor(loss[1], device=loss[0].device).clamp(min=1)
+            else:
+                loss, value = _dist_loss(wrapped, batch, rank, world, autocast)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             if s.clip:
@@ -140,33 +243,50 @@ def train(
             scaler.update()
             sched.step()
             step += 1
+            if wrapped is None:
+                value = float(loss.detach())
             seen += len(batch)
-            total += float(loss) * len(batch)
-            bar.set_postfix(loss=f"{float(loss):.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
+            total += value * len(batch)
+            bar.set_postfix(loss=f"{value:.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
             if stop_after_steps is not None and step >= stop_after_steps:
                 raise KeyboardInterrupt(f"stopped after {step} steps (test hook)")
         metrics: dict[str, Any] = {"epoch": epoch, "loss": total / max(seen, 1), "lr": sched.get_last_lr()[0],
                                    "seconds": time.perf_counter() - t0}
-        if validate is not None:
+        if validate is not None and rank == 0:
             model.eval()
             metrics.update(validate(model))
+        rank_rng = None
+        if world > 1:  # every rank takes rank 0's metrics, hence the same best/early-stop decisions
+            box = [metrics]
+            dist.broadcast_object_list(box, src=0)
+            metrics = box[0]
+            rank_rng = [None] * world if rank == 0 else None
+            dist.gather_object(checkpoint.rng_state(), rank_rng, dst=0)
         history.append(metrics)
         score = metrics.get(s.select_metric, -metrics["loss"])
         improved = score > best
         if improved:
             best, best_epoch = score, epoch
-        extra = {"best": best, "best_epoch": best_epoch, "history": history}
-        checkpoint.save(last, model=model, arch=arch or model.cfg.to_dict(), vocab_digest=vocab_digest,
-                        optimizer=opt, scheduler=sched, epoch=epoch, step=step, extra=extra)
-        if improved:
-            checkpoint.save(ckpt_dir / "best.pt", model=model, arch=arch or model.cfg.to_dict(),
-                            vocab_digest=vocab_digest, epoch=epoch, step=step, extra={"metrics": metrics})
-        if on_epoch is not None:
-            on_epoch(epoch, metrics)
-        log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
+        if rank == 0:
+            extra = {"best": best, "best_epoch": best_epoch, "history": history}
+            if rank_rng is not None:
+                extra["rank_rng"] = rank_rng
+            checkpoint.save(last, model=model, arch=arch or model.cfg.to_dict(), vocab_digest=vocab_digest,
+                            optimizer=opt, scheduler=sched, epoch=epoch, step=step, extra=extra)
+            if improved:
+                checkpoint.save(ckpt_dir / "best.pt", model=model, arch=arch or model.cfg.to_dict(),
+                                vocab_digest=vocab_digest, epoch=epoch, step=step, extra={"metrics": metrics})
+            if on_epoch is not None:
+                on_epoch(epoch, metrics)
+            log.info("epoch %d: %s", epoch,
+                     {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
         if s.patience is not None and epoch - best_epoch >= s.patience:
-            log.info("early stop: no improvement of %s for %d epochs", s.select_metric, s.patience)
+            if rank == 0:
+                log.info("early stop: no improvement of %s for %d epochs", s.select_metric, s.patience)
             break
+    if world > 1:
+        del wrapped
+        dist.barrier()  # rank 0's checkpoints are written before any rank returns
     return TrainResult(best_metric=best, best_epoch=best_epoch, epochs_run=epoch + 1, history=history,
                        last_checkpoint=last if last.exists() else None,
                        best_checkpoint=ckpt_dir / "best.pt" if (ckpt_dir / "best.pt").exists() else None,

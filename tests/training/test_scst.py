@@ -82,15 +82,16 @@ def test_mean_of_others_baseline_and_gradient_direction():
         image_ids = torch.tensor([7, 8])
 
     torch.manual_seed(0)
-    value = loss(model, B)
-    value.backward()
+    total, tokens = loss(model, B)
+    assert tokens > 0
+    (total / tokens).backward()
     st = loss.pop_stats()
     assert st["reward"] == pytest.approx(st["baseline_reward"], abs=1e-12)  # mean of others: same average
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     with pytest.raises(ValueError, match="at least 2"):
         ScstLoss(REFS, samples=1)
     greedy_loss = ScstLoss({7: [[3, 4, 5]], 8: [[6, 7]]}, samples=1, baseline="greedy", max_tokens=6)
-    greedy_loss(model, B).backward()
+    greedy_loss(model, B)[0].backward()
 
 
 def test_scst_kill_and_resume_gives_identical_weights(synth_ctx, tmp_path):
@@ -102,7 +103,7 @@ def test_scst_kill_and_resume_gives_identical_weights(synth_ctx, tmp_path):
     init = res.best_checkpoint
     cfg.students.scst.epochs = 2
     cfg.students.scst.samples = 3
-    ref, r1 = fit_scst(ctx, init, tmp_path / "ref")
+    _, r1 = fit_scst(ctx, init, tmp_path / "ref")
     assert r1.epochs_run == 2 and all("reward" in h for h in r1.history)
     steps_per_epoch = -(-len(ctx.rows("train")) // cfg.loader.batch_size)
     with pytest.raises(KeyboardInterrupt):
