@@ -152,6 +152,16 @@ def cmd_extract(args: argparse.Namespace) -> int:
     cfg = _cfg(args)
     ds = ingest(cfg, progress=not args.json)
     uri = args.out or store_uri(cfg)
+    if cfg.features.source == "synthetic-informative":
+        from captioning.data.synthetic_features import informative_store_for
+
+        st = informative_store_for(cfg, ds, uri, progress=not args.json)
+        info = {"store": st.uri, "source": "synthetic-informative", **st.summary()}
+        if args.json:
+            _print_json(info)
+        else:
+            print(f"feature store (synthetic-informative): {st.uri}, {st.num_rows} images")
+        return 0
     if not args.resume:
         _remove_store(uri)
     res = extract_features(cfg, ds, workers=args.workers, uri=uri, progress=not args.json)
@@ -178,6 +188,78 @@ def _remove_store(uri: str) -> None:
     if fs.exists(path):
         log.warning("removing %s (--no-resume)", uri)
         fs.rm(path, recursive=True)
+
+
+def _train_rank(rank: int, world: int, cfg_json: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """One process of ``capflow train`` (rank 0 of 1 without --nproc): build the context, train, report."""
+    from captioning.config import PipelineConfig
+    from captioning.training.ddp import rank_device
+    from captioning.training.recipe import scst_settings, student_arch, teacher_arch, xe_settings
+    from captioning.training.stages import StageContext, fit_scst, fit_xe
+
+    cfg = PipelineConfig.model_validate_json(cfg_json)
+    ctx = StageContext.from_paths(cfg, opts["vocab"], opts["labels"], opts["features"], progress=opts["progress"])
+    if world > 1:
+        ctx.device = rank_device()
+    out = Path(opts["out"])
+    if opts["scst_from"]:
+        _, res = fit_scst(ctx, opts["scst_from"], out, settings=scst_settings(cfg.students.scst, cfg))
+    else:
+        teacher = opts["model"] in ("teacher", "aic")
+        arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words) if teacher else \
+            student_arch(opts["model"], cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+        xe = cfg.teacher.xe if teacher else cfg.students.xe
+        _, res, _ = fit_xe(ctx, arch, out, settings=xe_settings(xe, cfg), captions=opts["captions"],
+                           seqkd_source=opts["seqkd_source"], init_from=opts["init"])
+    return {"best_metric": res.best_metric, "best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
+            "resumed_from_epoch": res.resumed_from_epoch, "history": res.history, "processes": world,
+            "best_checkpoint": str(res.best_checkpoint), "last_checkpoint": str(res.last_checkpoint)}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from captioning.features.parallel import store_uri
+
+    cfg = _cfg(args)
+    labels_dir = cfg.workdir / "labels"
+    opts = {
+        "model": args.model, "captions": args.captions, "seqkd_source": args.seqkd_source, "init": args.init,
+        "scst_from": args.scst_from, "progress": not args.json,
+        "vocab": args.vocab or str(labels_dir / "vocab.json"), "labels": args.labels or str(labels_dir / "labels.zarr"),
+        "features": args.features or store_uri(cfg),
+        "out": args.out or str(cfg.workdir / "train" / (f"{args.model}-scst" if args.scst_from else args.model)),
+    }
+    for key in ("vocab", "labels"):
+        if not Path(opts[key]).exists():
+            raise CLIError(f"{opts[key]} not found: run `capflow vocab` first (or pass --{key})")
+    if args.nproc < 1:
+        raise CLIError("--nproc must be >= 1")
+    if args.model not in ("teacher", "aic"):
+        from captioning.training.recipe import preset_name
+
+        try:
+            preset_name(args.model)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+    if args.nproc == 1:
+        res = _train_rank(0, 1, cfg.model_dump_json(), opts)
+    else:
+        from captioning.training.ddp import launch
+
+        device = "cuda" if cfg.run.device in ("auto", "cuda") and _cuda() else "cpu"
+        res = launch(_train_rank, args.nproc, cfg.model_dump_json(), opts, device=device)
+    if args.json:
+        _print_json(res)
+    else:
+        for h in res["history"]:
+            print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()))
+        print(f"best {res['best_metric']:.4f} at epoch {res['best_epoch'] + 1}: {res['best_checkpoint']}")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cmd_params(args: argparse.Namespace) -> int:
@@ -314,6 +396,26 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", metavar="URI", help="store URI (default: <features.store>/<settings digest>.zarr)")
     x.add_argument("--json", action="store_true", help="print a JSON summary")
     x.set_defaults(func=cmd_extract)
+
+    t = sub.add_parser("train", help="train one model (XE or SCST), optionally data-parallel", description=(
+        "Train the teacher or one student with cross-entropy, or fine-tune a checkpoint with SCST, on the "
+        "workdir's label and feature stores. A killed run resumes from its last epoch checkpoint. "
+        "--nproc N runs N data-parallel processes (torch DDP: gloo on CPU, NCCL on GPUs)."))
+    _config_args(t)
+    t.add_argument("--model", default="teacher",
+                   help="teacher, a student family (acort, expansionnet, lw, satic, zodiac) or a registry preset")
+    t.add_argument("--captions", choices=["ground_truth", "seqkd", "both"], default="ground_truth",
+                   help="which label-store captions to train on")
+    t.add_argument("--seqkd-source", help="name of the SeqKD source in the label store")
+    t.add_argument("--init", help="checkpoint whose matching tensors initialise the model (SATIC weight-init)")
+    t.add_argument("--scst-from", help="fine-tune this XE checkpoint with SCST instead of XE training")
+    t.add_argument("--nproc", type=int, default=1, help="data-parallel processes (default 1)")
+    t.add_argument("--features", help="feature store URI (default: the configured store)")
+    t.add_argument("--labels", help="label store (default <workdir>/labels/labels.zarr)")
+    t.add_argument("--vocab", help="vocabulary (default <workdir>/labels/vocab.json)")
+    t.add_argument("--out", help="checkpoint folder (default <workdir>/train/<model>)")
+    t.add_argument("--json", action="store_true", help="print the result as JSON")
+    t.set_defaults(func=cmd_train)
 
     pa = sub.add_parser("params", help="parameter counts of every paper preset vs the papers' figures",
                         description="Count parameters of every paper-size preset with its paper's convention "

@@ -28,7 +28,7 @@ from captioning.bench.loader import machine_info
 from captioning.config import load_config
 from captioning.data.loader import ZarrFeatures
 from captioning.data.prepare import ingest, vocab_and_labels
-from captioning.data.synthetic_features import informative_store
+from captioning.data.synthetic_features import informative_store_for
 from captioning.metrics.coco import score
 from captioning.training.recipe import student_arch, teacher_arch, xe_settings
 from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, resolve_device, seqkd
@@ -63,13 +63,11 @@ def run(preset: str = "learning", overrides: tuple[str, ...] = (), workdir: str 
     torch.manual_seed(cfg.run.seed)
     t_start = time.perf_counter()
     ds = ingest(cfg, progress=progress)
-    f = cfg.features
-    store = informative_store(ds, cfg.dataset.synthetic, str(wd / "features.zarr"), feature_dim=f.feature_dim,
-                              max_boxes=f.max_boxes, chunk_rows=f.chunk_rows, seed=cfg.run.seed, progress=progress)
+    store = informative_store_for(cfg, ds, str(wd / "features.zarr"), progress=progress)
     lab = vocab_and_labels(cfg, ds)
     ctx = StageContext(cfg, lab.vocab, lab.labels_uri, ZarrFeatures(store.uri), ds, resolve_device(cfg.run.device),
                        progress)
-    d_in, words = f.feature_dim, cfg.dataset.max_words
+    d_in, words = cfg.features.feature_dim, cfg.dataset.max_words
     base_caption, base = most_frequent_caption(ctx)
     rows: list[dict[str, Any]] = []
 

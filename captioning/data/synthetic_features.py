@@ -99,3 +99,15 @@ def informative_store(ds: Dataset, synthetic: SyntheticConfig, uri: str, *, feat
         store.write_rows(start, features=feats, boxes=boxes, num_boxes=nb, image_size=size,
                          status=np.full(n, OK, np.int8), reject_reason=[""] * n)
     return store
+
+
+def informative_store_for(cfg, ds: Dataset, uri: str, progress: bool = False) -> FeatureStore:
+    """:func:`informative_store` with the pipeline config's feature settings (``features.source`` =
+    ``synthetic-informative``); needs the dataset to be the configured synthetic one."""
+    if cfg.dataset.annotations is not None:
+        raise ValueError("features.source=synthetic-informative needs the synthetic dataset (dataset.annotations "
+                         "is set): informative features are computed from the generator's scenes")
+    f = cfg.features
+    return informative_store(ds, cfg.dataset.synthetic, uri, feature_dim=f.feature_dim, max_boxes=f.max_boxes,
+                             chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor, seed=cfg.run.seed,
+                             progress=progress)

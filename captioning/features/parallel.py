@@ -69,7 +69,14 @@ def store_key(f: FeaturesConfig) -> str:
 
 
 def store_uri(cfg: PipelineConfig) -> str:
+    """Where the configured feature store lives: named by everything that determines its content."""
     base = cfg.feature_store_uri().rstrip("/")
+    if cfg.features.source == "synthetic-informative":
+        f = cfg.features
+        ident = json.dumps({"synthetic": cfg.dataset.synthetic.model_dump(mode="json"), "seed": cfg.run.seed,
+                            **{k: getattr(f, k) for k in ("feature_dim", "max_boxes", "chunk_rows", "dtype",
+                                                           "compressor")}}, sort_keys=True)
+        return f"{base}/informative-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
     return f"{base}/{store_key(cfg.features)}.zarr"
 
 

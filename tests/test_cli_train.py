@@ -1,0 +1,50 @@
+"""`capflow extract` (informative synthetic features), `capflow train` (XE, SCST, --nproc 2), resume."""
+
+from __future__ import annotations
+
+import json
+
+from flows.cli import main
+
+SETS = ["dataset.synthetic.num_images=40", "features.source=synthetic-informative", "features.feature_dim=16",
+        "features.max_boxes=10", "features.min_boxes=1", "teacher.xe.epochs=2", "students.scst.epochs=1",
+        "students.scst.samples=2"]
+
+
+def _args(tmp_path):
+    out = ["--preset", "tiny", "--set", f"run.workdir={tmp_path}"]
+    for s in SETS:
+        out += ["--set", s]
+    return out
+
+
+def test_train_cli_xe_scst_and_data_parallel(tmp_path, capsys):
+    a = _args(tmp_path)
+    assert main(["extract", "--json", *a]) == 0
+    ext = json.loads(capsys.readouterr().out)
+    assert ext["source"] == "synthetic-informative" and ext["images"] == ext["ok"] == 40
+    assert main(["vocab", "--json", *a]) == 0
+    capsys.readouterr()
+    assert main(["train", "--json", *a]) == 0
+    xe = json.loads(capsys.readouterr().out)
+    assert xe["epochs_run"] == 2 and xe["processes"] == 1 and "CIDEr" in xe["history"][0]
+    # a second call finds the finished run and does not train again
+    assert main(["train", "--json", *a]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["resumed_from_epoch"] == 2 and again["history"] == xe["history"]
+    assert main(["train", "--json", "--scst-from", xe["best_checkpoint"], *a]) == 0
+    sc = json.loads(capsys.readouterr().out)
+    assert sc["epochs_run"] == 1 and "reward" in sc["history"][0]
+    assert main(["train", "--json", "--nproc", "2", "--out", str(tmp_path / "ddp"), *a]) == 0
+    dp = json.loads(capsys.readouterr().out)
+    assert dp["processes"] == 2 and dp["epochs_run"] == 2 and (tmp_path / "ddp" / "last.pt").exists()
+
+
+def test_train_cli_errors(tmp_path, capsys):
+    assert main(["train", *_args(tmp_path)]) == 2
+    assert "capflow vocab" in capsys.readouterr().err
+    (tmp_path / "labels").mkdir()
+    (tmp_path / "labels" / "vocab.json").write_text("{}")
+    (tmp_path / "labels" / "labels.zarr").mkdir()
+    assert main(["train", "--model", "nope", *_args(tmp_path)]) == 2
+    assert "unknown student 'nope'" in capsys.readouterr().err
