@@ -32,6 +32,10 @@ class RunConfig(Section):
     workdir: str = Field(".capflow", description="Root folder for stores, caches and artifacts of runs")
     name: str = Field("capflow", description="Name of this pipeline (MLflow experiment name)")
     seed: int = Field(0, description="Global random seed (data shuffling, initialisation, sampling)")
+    parallel_students: int = Field(
+        1, ge=1, description="Students trained at the same time (threads of one process; >1 gives up bit-for-bit "
+        "reproducibility, since they share torch's random generator)"
+    )
     device: str = Field("auto", description="Torch device: auto (CUDA when present), cpu, cuda, cuda:N")
 
 
@@ -163,6 +167,12 @@ class StudentsConfig(Section):
     )
     size: str = Field("base", description="Size variant of each family's registry preset")
     seqkd_beam: int = Field(5, ge=1, description="Beam size of the teacher when generating SeqKD captions")
+    seqkd_for: list[str] = Field(
+        default_factory=lambda: ["satic"], description="Students trained on the teacher's SeqKD captions"
+    )
+    teacher_init_for: list[str] = Field(
+        default_factory=lambda: ["satic"], description="Students initialised from the teacher's weights"
+    )
     xe: XEConfig = Field(default_factory=XEConfig, description="Student XE training")
     scst: SCSTConfig = Field(default_factory=SCSTConfig, description="Student SCST fine-tuning")
 

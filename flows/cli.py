@@ -256,6 +256,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import build_config, pipeline
+
+    students = args.students.split(",") if args.students else None
+    try:
+        cfg = build_config(args.preset or ("demo" if not args.config else None), args.config, args.overrides,
+                           students, not args.no_scst)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    res = pipeline(preset=args.preset or ("demo" if not args.config else None), config_path=args.config,
+                   overrides=list(args.overrides), students=students, scst=not args.no_scst)
+    if args.json:
+        _print_json(res)
+        return 0 if not res["failed"] else 1
+    print()
+    print(f"{'student':14s} {'preset':16s} {'CIDEr':>7s} {'BLEU-4':>7s} {'METEOR':>7s} {'params':>12s} {'ms':>7s}")
+    for r in res["leaderboard"]:
+        m = r["metrics"]
+        print(f"{r['student']:14s} {r['preset']:16s} {m['CIDEr']:7.3f} {m['Bleu_4']:7.3f} {m['METEOR']:7.3f} "
+              f"{r['params']:12,d} {r['latency_ms']:7.1f}")
+    for f in res["failed"]:
+        print(f"{f['student']:14s} FAILED: {f['error']}")
+    ch = res["champion"]
+    print(f"champion: {cfg.tracking.model_name} v{ch['version']} ({ch['reason']})")
+    cached = [k for k, v in res["stages"].items() if v == "cached"]
+    if cached:
+        print(f"cached stages: {', '.join(cached)}")
+    print(f"MLflow run {res['mlflow_run_id']} in {res['tracking_uri']}")
+    if res["tracking_uri"].startswith("sqlite:"):
+        print(f"  look next: mlflow ui --backend-store-uri {res['tracking_uri']} --host 127.0.0.1 --port 5000")
+    return 0 if not res["failed"] else 1
+
+
 def _cuda() -> bool:
     import torch
 
@@ -396,6 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", metavar="URI", help="store URI (default: <features.store>/<settings digest>.zarr)")
     x.add_argument("--json", action="store_true", help="print a JSON summary")
     x.set_defaults(func=cmd_extract)
+
+    r = sub.add_parser("run", help="run the whole pipeline (Prefect flow, MLflow tracking)", description=(
+        "Run the DAG ingest -> extract -> vocab -> teacher -> SeqKD -> students -> SCST -> evaluation -> "
+        "leaderboard -> promotion as a Prefect flow, recording everything in MLflow. Finished stages are cached; "
+        "a killed run resumes. Honours PREFECT_API_URL and MLFLOW_TRACKING_URI."))
+    _config_args(r)
+    r.add_argument("--students", help="comma-separated students (default: students.names of the config)")
+    r.add_argument("--no-scst", action="store_true", help="skip SCST fine-tuning")
+    r.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    r.set_defaults(func=cmd_run)
 
     t = sub.add_parser("train", help="train one model (XE or SCST), optionally data-parallel", description=(
         "Train the teacher or one student with cross-entropy, or fine-tune a checkpoint with SCST, on the "

@@ -1,0 +1,119 @@
+"""The capflow DAG as one Prefect flow:
+
+ingest -> extract -> vocab -> AIC teacher (XE) -> SeqKD -> students (XE, SATIC from the teacher's SeqKD captions
+and weights) -> SCST -> evaluation -> leaderboard -> promotion.
+
+Parameters are a small typed form (preset, config file, overrides, students, SCST on/off) validated before any
+stage runs. Tasks pass references (paths, URIs, digests, MLflow run ids), never tensors. Every stage is cached by
+its inputs' digests + config section + code version (``tasks.cache``), so a re-run with nothing changed only
+re-reads the dataset; a killed run resumes where it stopped (chunks, epoch checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from captioning.config import PipelineConfig, load_config
+from tasks.cache import StageCache, code_version
+from tasks.common import RunContext
+from tasks.data import extract_task, ingest_task, vocab_task
+from tasks.report import leaderboard_task, promote_task
+from tasks.tracking import Tracker
+from tasks.training import seqkd_task, student_task, teacher_task
+
+log = logging.getLogger("capflow.pipeline")
+FLOW_NAME = "capflow-pipeline"
+
+
+def build_config(preset: str | None = "demo", config_path: str | None = None, overrides: list[str] | None = None,
+                 students: list[str] | None = None, scst: bool = True) -> PipelineConfig:
+    """The flow's parameters -> a validated config (raises ConfigError naming the key)."""
+    extra = list(overrides or [])
+    if students:
+        extra.append(f"students.names=[{','.join(students)}]")
+    if not scst:
+        extra.append("students.scst.enabled=false")
+    cfg = load_config(None if config_path else preset, config_path, extra)
+    from captioning.training.recipe import preset_name
+
+    for s in cfg.students.names:
+        preset_name(s)  # unknown names fail here, before any stage runs
+    return cfg
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@flow(name=FLOW_NAME, task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True,
+      validate_parameters=True)
+def pipeline(preset: str = "demo", config_path: str | None = None, overrides: list[str] | None = None,
+             students: list[str] | None = None, scst: bool = True) -> dict[str, Any]:
+    """Run the whole capflow DAG (see the module docstring). Returns the run's summary."""
+    cfg = build_config(preset, config_path, overrides, students, scst)
+    return run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
+
+
+def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | None = None) -> dict[str, Any]:
+    tracker = Tracker(cfg)
+    parent = tracker.start("pipeline", tags={"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
+                                             "config_digest": cfg.digest(), "code_version": code_version(),
+                                             "capflow.preset_name": cfg.run.name})
+    tracker.params(parent, cfg.model_dump(mode="json"))
+    tracker.text_artifact(parent, "config.yaml", _yaml(cfg))
+    rc = RunContext(cfg, tracker, parent, StageCache(cfg.workdir),
+                    progress=sys.stderr.isatty() if progress is None else progress)
+    try:
+        data = ingest_task(rc)
+        feats = extract_task(rc, data)
+        labels = vocab_task(rc, data, feats)
+        teacher = teacher_task(rc, data, feats, labels)
+        kd = seqkd_task(rc, data, feats, labels, teacher)
+        results: list[dict[str, Any]] = []
+        names = list(cfg.students.names)
+        wave = cfg.run.parallel_students
+        for i in range(0, len(names), wave):
+            futures = [student_task.submit(rc, n, data, feats, labels, teacher, kd, cfg.students.scst.enabled)
+                       for n in names[i: i + wave]]
+            results += [f.result() for f in futures]
+        board = leaderboard_task(rc, results)
+        promo = promote_task(rc, board, data["digest"])
+    except BaseException:
+        tracker.end(parent, "FAILED")
+        raise
+    failed = board["failed"]
+    tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
+    tracker.end(parent, "FINISHED")
+    summary = {
+        "mlflow_run_id": parent,
+        "tracking_uri": tracker.uri,
+        "experiment_id": tracker.experiment_id,
+        "leaderboard": [{"student": r["student"], "preset": r["preset"], "metrics": r["metrics"],
+                         "params": r["params"], "latency_ms": r["latency_ms"], "model_version": r["model_version"]}
+                        for r in board["leaderboard"]],
+        "failed": failed,
+        "champion": {"version": promo.get("champion_version"), "changed": promo.get("changed"),
+                     "reason": promo.get("reason"), "student": promo.get("candidate") if promo.get("changed")
+                     else None},
+        "stages": rc.stages,
+    }
+    return summary
+
+
+def _yaml(cfg: PipelineConfig) -> str:
+    from captioning.config import dump_yaml
+
+    return dump_yaml(cfg)

@@ -1,0 +1,63 @@
+"""Stage-level caching: a stage whose key (its inputs' digests + its config section + the code version) is
+unchanged returns its recorded result instead of running again.
+
+Results are small JSON documents (URIs, digests, run ids, metrics) kept under ``<workdir>/stages/``; a result is
+written only after the stage has finished, so a crashed stage runs again (and resumes from its own checkpoints
+or chunk status). The key covers everything a stage writes, so a cached stage never hides a changed output
+(the trap of caching side-effecting tasks on inputs alone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """Digest of the library, task and flow sources (a code change invalidates the stages it could affect)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pkg in ("captioning", "tasks", "flows"):
+        for p in sorted((root / pkg).rglob("*")):
+            if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts:
+                h.update(str(p.relative_to(root)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def stage_key(stage: str, **parts: Any) -> str:
+    blob = json.dumps({"stage": stage, "code": code_version(), **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class StageCache:
+    def __init__(self, workdir: str | Path):
+        self.root = Path(workdir) / "stages"
+
+    def path(self, stage: str, key: str) -> Path:
+        return self.root / f"{stage}-{key[:20]}.json"
+
+    def get(self, stage: str, key: str) -> dict[str, Any] | None:
+        p = self.path(stage, key)
+        if not p.exists():
+            return None
+        doc = json.loads(p.read_text(encoding="utf-8"))
+        return doc["result"] if doc.get("key") == key else None
+
+    def put(self, stage: str, key: str, result: dict[str, Any]) -> None:
+        p = self.path(stage, key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"stage": stage, "key": key, "result": result}, default=str), encoding="utf-8")
+        os.replace(tmp, p)
+
+    def workdir(self, stage: str, key: str) -> Path:
+        """A private folder for the stage's outputs (checkpoints), stable across re-runs with the same key."""
+        d = self.root.parent / "runs" / f"{stage}-{key[:16]}"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
