@@ -17,13 +17,24 @@ from pathlib import Path
 from typing import Any
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """Digest of the library, task and flow sources (a code change invalidates the stages it could affect)."""
+#: the library code each stage's output depends on (a change there invalidates the stage and what follows)
+STAGE_CODE: dict[str, tuple[str, ...]] = {
+    "ingest": ("captioning/data",),
+    "extract": ("captioning/features", "captioning/data/stores.py", "captioning/data/synthetic_features.py"),
+    "vocab": ("captioning/data",),
+}
+TRAINING_CODE = ("captioning",)
+
+
+@lru_cache(maxsize=None)
+def code_version(*paths: str) -> str:
+    """Digest of the sources under ``paths`` (relative to the repository; default: the whole library)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for pkg in ("captioning", "tasks", "flows"):
-        for p in sorted((root / pkg).rglob("*")):
+    for rel in paths or ("captioning",):
+        base = root / rel
+        files = [base] if base.is_file() else sorted(base.rglob("*"))
+        for p in files:
             if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts:
                 h.update(str(p.relative_to(root)).encode())
                 h.update(p.read_bytes())
@@ -31,7 +42,8 @@ def code_version() -> str:
 
 
 def stage_key(stage: str, **parts: Any) -> str:
-    blob = json.dumps({"stage": stage, "code": code_version(), **parts}, sort_keys=True, default=str)
+    code = code_version(*STAGE_CODE.get(stage, TRAINING_CODE))
+    blob = json.dumps({"stage": stage, "code": code, **parts}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
