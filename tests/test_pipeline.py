@@ -1,0 +1,163 @@
+"""The whole DAG at tiny scale under a Prefect test harness with a temporary MLflow store: runs, lineage,
+artifacts, registry alias, planted bad input, cached re-run, partial re-run, kill-and-resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from captioning.data.synthetic import generate_synthetic
+from captioning.training import checkpoint
+from flows.pipeline import pipeline
+
+pytestmark = pytest.mark.slow
+STUDENTS = {"acort": "acort-base", "expansionnet": "expansionnet", "lw": "lw-1x", "satic": "satic-k4",
+            "zodiac": "zodiac-sigmoid"}
+FAKE_SECRET = "capflow-test-not-a-real-secret-42"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """40 synthetic images with a truncated image, a missing image and an empty caption planted."""
+    out = tmp_path_factory.mktemp("planted")
+    ann = generate_synthetic(out, 40, 1, min_size=64, max_size=112)
+    d = json.loads(ann.read_text())
+    imgs = [e for e in d["images"] if e["split"] == "train"]
+    bad = out / "images" / imgs[0]["filepath"] / imgs[0]["filename"]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 3])
+    (out / "images" / imgs[1]["filepath"] / imgs[1]["filename"]).unlink()
+    imgs[2]["sentences"][0]["tokens"], imgs[2]["sentences"][0]["raw"] = [], "   "
+    ann.write_text(json.dumps(d))
+    return ann, out / "images", (imgs[0]["cocoid"], imgs[1]["cocoid"])
+
+
+def _overrides(work, ann, images):
+    return [f"run.workdir={work}", f"dataset.annotations={ann}", f"dataset.images={images}",
+            "dataset.max_reject_fraction=0.2"]
+
+
+def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+    ann, images, bad_ids = planted
+    res = pipeline(preset="tiny", overrides=_overrides(tmp_path, ann, images))
+    assert res["failed"] == [] and {r["student"] for r in res["leaderboard"]} == set(STUDENTS)
+    ciders = [r["metrics"]["CIDEr"] for r in res["leaderboard"]]
+    assert ciders == sorted(ciders, reverse=True)
+    assert all(r["params"] > 0 and r["latency_ms"] > 0 and r["metrics"]["SPICE"] is None for r in res["leaderboard"])
+    assert res["champion"]["changed"] and res["champion"]["version"] == res["leaderboard"][0]["model_version"]
+    assert all(v == "ran" for v in res["stages"].values())
+
+    c = MlflowClient(res["tracking_uri"])
+    parent = c.get_run(res["mlflow_run_id"])
+    assert parent.data.tags["prefect.flow_run_id"] and len(parent.data.tags["git_commit"]) >= 7
+    assert parent.data.tags["config_digest"] and parent.data.params["students.names"]
+    # the planted faults are counted in the parent run and listed in an artifact
+    assert parent.data.metrics["rejected_images"] == 2 and parent.data.metrics["dropped_captions"] == 1
+    arts = {a.path for a in c.list_artifacts(parent.info.run_id)}
+    assert {"leaderboard.json", "leaderboard.md", "leaderboard.png", "rejects.json", "config.yaml",
+            "promotion.json"} <= arts
+    rejects = json.loads(Path(c.download_artifacts(parent.info.run_id, "rejects.json", str(tmp_path / "dl"))
+                              ).read_text())
+    assert {r["image_id"] for r in rejects["rejected"]} == set(bad_ids) and len(rejects["dropped_captions"]) == 1
+
+    runs = c.search_runs([res["experiment_id"]], max_results=500)
+    children = {r.data.tags.get("mlflow.runName"): r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {"ingest", "extract", "vocab", "teacher", "seqkd", *STUDENTS.values()}
+    for name, pname in STUDENTS.items():
+        srun = children[pname]
+        assert srun.data.metrics["test_CIDEr"] == next(r["metrics"]["CIDEr"] for r in res["leaderboard"]
+                                                       if r["student"] == name)
+        nested = {r.data.tags["mlflow.runName"] for r in runs if r.data.tags.get("mlflow.parentRunId") ==
+                  srun.info.run_id}
+        assert nested == {"scst", "evaluate"}
+        assert len(c.get_metric_history(srun.info.run_id, "loss")) == 1  # tiny: 1 XE epoch, logged per epoch
+        inputs = {d.dataset.name: d.dataset.digest for d in srun.inputs.dataset_inputs}
+        assert {"dataset", "features", "labels"} <= set(inputs)
+        if name == "satic":
+            assert {"seqkd-captions", "teacher-checkpoint"} <= set(inputs)
+            assert srun.data.params["init_from_teacher"] == "true" and srun.data.metrics["init_loaded"] > 0
+        assert "model" in {a.path for a in c.list_artifacts(srun.info.run_id)}
+    teacher_inputs = {d.dataset.name for d in children["teacher"].inputs.dataset_inputs}
+    assert teacher_inputs == {"dataset", "features", "labels"}
+    # registry: one version per student, champion = best
+    versions = c.search_model_versions("name='capflow-captioner'")
+    assert len(versions) == 5
+    champ = c.get_model_version_by_alias("capflow-captioner", "champion")
+    assert str(champ.version) == res["champion"]["version"] and champ.tags["student"] == res["leaderboard"][0]["student"]
+    # no secret from the environment anywhere in params or tags
+    for r in runs:
+        assert FAKE_SECRET not in json.dumps(r.data.params) + json.dumps(r.data.tags)
+
+    # re-run with nothing changed: every stage cached, same results, champion unchanged
+    t0 = time.perf_counter()
+    again = pipeline(preset="tiny", overrides=_overrides(tmp_path, ann, images))
+    assert all(v == "cached" for v in again["stages"].values()), again["stages"]
+    assert again["leaderboard"] == res["leaderboard"] and not again["champion"]["changed"]
+    assert time.perf_counter() - t0 < 60
+
+    # a changed student set: only the new student trains, the rest is cached
+    part = pipeline(preset="tiny", overrides=_overrides(tmp_path, ann, images), students=["lw", "satic-k2"],
+                    scst=True)
+    assert part["stages"]["student-satic-k2"] == "ran"
+    assert all(v == "cached" for k, v in part["stages"].items() if k != "student-satic-k2")
+
+
+def test_pipeline_rejects_bad_parameters_before_running(harness, tmp_path):
+    from captioning.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"students\.xe\.epochs"):
+        pipeline(preset="tiny", overrides=[f"run.workdir={tmp_path}", "students.xe.epochs=0"])
+    with pytest.raises(ValueError, match="unknown student 'nope'"):
+        pipeline(preset="tiny", overrides=[f"run.workdir={tmp_path}"], students=["nope"])
+    assert not (tmp_path / "stages").exists()
+
+
+def test_killed_run_resumes_student_from_its_checkpoint(tmp_path):
+    """SIGKILL `capflow run` while a student trains; the next run resumes that student and redoes nothing else."""
+    sets = [f"run.workdir={tmp_path}", "features.source=synthetic-informative", "features.feature_dim=16",
+            "features.min_boxes=1", "students.names=[lw,zodiac]", "students.xe.epochs=4",
+            "students.scst.enabled=false"]
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--json", "--preset", "tiny",
+           *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    zodiac_last = None
+    while time.time() < deadline and proc.poll() is None:
+        found = list((tmp_path / "runs").glob("student-zodiac-*/xe/last.pt")) if (tmp_path / "runs").exists() else []
+        if found:
+            zodiac_last = found[0]
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert zodiac_last is not None, "the run finished or stalled before the second student's first epoch"
+    done_epoch = checkpoint.load(zodiac_last)["epoch"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    assert res["stages"]["student-zodiac"] == "ran"
+    assert all(v == "cached" for k, v in res["stages"].items() if k != "student-zodiac"), res["stages"]
+    c = MlflowClient(res["tracking_uri"])
+    run = next(c.get_run(r["model_version"] and c.get_model_version("capflow-captioner", r["model_version"]).run_id)
+               for r in res["leaderboard"] if r["student"] == "zodiac")
+    assert run.data.metrics["xe_resumed_from_epoch"] == done_epoch + 1
