@@ -11,11 +11,12 @@ export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
 export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+export PREFECT_HOME ?= $(CURDIR)/.capflow/prefect
 
 .PHONY: install test test-fast lint format demo lock clean help
 
 help:
-	@echo "make demo     - install (if needed) and run the demo on a synthetic dataset"
+	@echo "make demo     - install (if needed) and run the whole pipeline on a synthetic dataset (capflow run --preset demo)"
 	@echo "make test     - install (if needed) and run the whole test suite"
 	@echo "make lint     - ruff"
 	@echo "make install  - create/update .venv (CAPFLOW_SKIP_DETECTRON2=1: bring your own detectron2)"
@@ -43,9 +44,7 @@ format: install
 	$(BIN)/ruff format .
 
 demo: install
-	$(BIN)/capflow ingest --preset demo
-	$(BIN)/capflow vocab --preset demo
-	$(BIN)/capflow extract --preset demo
+	$(BIN)/capflow run --preset demo
 
 # Re-resolve the pinned stack from pyproject.toml's ranges into infra/constraints.txt.
 lock:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
-
 
 #: the library code each stage's output depends on (a change there invalidates the stage and what follows)
 STAGE_CODE: dict[str, tuple[str, ...]] = {
@@ -26,7 +25,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
 TRAINING_CODE = ("captioning",)
 
 
-@lru_cache(maxsize=None)
+@cache
 def code_version(*paths: str) -> str:
     """Digest of the sources under ``paths`` (relative to the repository; default: the whole library)."""
     root = Path(__file__).resolve().parents[1]

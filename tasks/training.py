@@ -19,6 +19,7 @@ from captioning.data.stores import LabelStore
 from captioning.training import checkpoint
 from captioning.training.recipe import preset_name, scst_settings, student_arch, teacher_arch, xe_settings
 from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, seqkd
+from captioning.util import sha256_file
 from tasks.common import RunContext, log
 from tasks.data import RETRY
 
@@ -38,16 +39,6 @@ def _epoch_logger(rc: RunContext, run: str, prefix: str = ""):
     def on_epoch(epoch: int, metrics: dict[str, Any]) -> None:
         rc.tracker.metrics(run, {k: v for k, v in metrics.items() if k != "epoch"}, step=epoch, prefix=prefix)
     return on_epoch
-
-
-def _file_digest(path: str | Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @task(name="train-teacher", **RETRY)
@@ -72,7 +63,7 @@ def teacher_task(rc: RunContext, data, feats, labels) -> dict[str, Any]:
     rc.tracker.artifact(run, best, "checkpoint")
     rc.tracker.json_artifact(run, "history.json", res.history)
     rc.tracker.end(run)
-    return rc.done("teacher", key, {"run_id": run, "checkpoint": str(best), "checkpoint_digest": _file_digest(best),
+    return rc.done("teacher", key, {"run_id": run, "checkpoint": str(best), "checkpoint_digest": sha256_file(best),
                                     "best_val_cider": res.best_metric})
 
 

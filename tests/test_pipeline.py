@@ -101,7 +101,8 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
     versions = c.search_model_versions("name='capflow-captioner'")
     assert len(versions) == 5
     champ = c.get_model_version_by_alias("capflow-captioner", "champion")
-    assert str(champ.version) == res["champion"]["version"] and champ.tags["student"] == res["leaderboard"][0]["student"]
+    assert str(champ.version) == res["champion"]["version"]
+    assert champ.tags["student"] == res["leaderboard"][0]["student"]
     # no secret from the environment anywhere in params or tags
     for r in runs:
         assert FAKE_SECRET not in json.dumps(r.data.params) + json.dumps(r.data.tags)

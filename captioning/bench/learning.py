@@ -31,7 +31,8 @@ from captioning.data.prepare import ingest, vocab_and_labels
 from captioning.data.synthetic_features import informative_store_for
 from captioning.metrics.coco import score
 from captioning.training.recipe import student_arch, teacher_arch, xe_settings
-from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, resolve_device, seqkd
+from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, seqkd
+from captioning.util import resolve_device
 
 log = logging.getLogger(__name__)
 SEQKD = "seqkd:teacher"

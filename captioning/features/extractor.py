@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from captioning.config import ExtractorConfig
+from captioning.util import resolve_device, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +92,6 @@ class Regions:
 
 
 # ---------------------------------------------------------------------- weights
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("CAPFLOW_WEIGHTS_CACHE", "~/.cache/capflow/weights")).expanduser()
@@ -197,12 +191,7 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the extractor
 def _torch_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"extractor device {spec!r} requested but CUDA is not available")
-    return dev
+    return resolve_device(spec, "extractor device")
 
 
 class RegionExtractor:

@@ -40,18 +40,10 @@ from captioning.training.recipe import (
 )
 from captioning.training.scst import ScstLoss
 from captioning.training.xe import TrainResult, TrainSettings, load_model, train
+from captioning.util import resolve_device
 
 log = logging.getLogger(__name__)
 EpochFn = Callable[[int, dict[str, Any]], None]
-
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {spec!r} requested but CUDA is not available")
-    return dev
 
 
 @dataclass
