@@ -44,6 +44,7 @@ format: install
 	$(BIN)/ruff format .
 
 demo: install
+	@mkdir -p "$(PREFECT_HOME)"
 	$(BIN)/capflow run --preset demo
 
 # Re-resolve the pinned stack from pyproject.toml's ranges into infra/constraints.txt.

@@ -257,6 +257,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import os
+
+    if os.environ.get("PREFECT_HOME"):  # Prefect's local server cannot create its database in a missing folder
+        Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     from flows.pipeline import build_config, pipeline
 
     students = args.students.split(",") if args.students else None
