@@ -304,6 +304,21 @@ def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_ca
 
 
 # ---------------------------------------------------------------------- strings
+def word_ids(row, codec=None) -> tuple[list[int], bool]:
+    """One output row -> (its word ids, whether it ended with EOS). Skips BOS, stops at EOS/PAD; radix rows
+    go through ``codec.decode_caption``."""
+    if codec is not None:
+        return codec.decode_caption(row), codec.eos in row
+    ids = []
+    for t in row:
+        t = int(t)
+        if t in (text.EOS, PAD):
+            return ids, t == text.EOS
+        if t != text.BOS:
+            ids.append(t)
+    return ids, False
+
+
 def to_words(tokens: torch.Tensor, vocab, codec=None) -> list[str]:
     """(N, L) output tokens -> N caption strings (never raises on model output).
 
@@ -318,17 +333,7 @@ def to_words(tokens: torch.Tensor, vocab, codec=None) -> list[str]:
         rows = [list(r) for r in tokens]
     out = []
     for r in rows:
-        if codec is not None:
-            ids = codec.decode_caption(r)
-        else:
-            ids = []
-            for t in r:
-                t = int(t)
-                if t in (text.EOS, PAD):
-                    break
-                if t == text.BOS:
-                    continue
-                ids.append(t)
+        ids, _ = word_ids(r, codec)
         words = []
         for i in ids:
             try:
@@ -339,4 +344,4 @@ def to_words(tokens: torch.Tensor, vocab, codec=None) -> list[str]:
     return out
 
 
-__all__ = ["Decoded", "beam_search", "greedy", "sample", "to_words"]
+__all__ = ["Decoded", "beam_search", "greedy", "sample", "to_words", "word_ids"]

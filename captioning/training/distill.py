@@ -18,10 +18,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from captioning.data.karpathy import SPLIT_CODES
 from captioning.data.loader import FeatureSource, image_batches
 from captioning.data.stores import LabelStore, StoreError
-from captioning.data.text import EOS, PAD, RadixCodec, Vocabulary
-from captioning.decoding import beam_search
+from captioning.data.text import RadixCodec, Vocabulary
+from captioning.decoding import beam_search, word_ids
 from captioning.metrics.cider import CiderD
 from captioning.training.recipe import references, split_rows
 
@@ -43,18 +44,6 @@ class SeqKDReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def _word_ids(row: list[int], codec: RadixCodec | None, max_words: int) -> list[int]:
-    if codec is not None:
-        ids = codec.decode_caption(row)
-    else:
-        ids = []
-        for t in row:
-            if t in (EOS, PAD):
-                break
-            ids.append(int(t))
-    return ids[:max_words]
 
 
 def generate_seqkd(teacher, source: FeatureSource, labels_uri: str, vocab: Vocabulary, *, name: str,
@@ -85,7 +74,7 @@ def generate_seqkd(teacher, source: FeatureSource, labels_uri: str, vocab: Vocab
             d = beam_search(teacher, memory, beam=beam, max_len=max_tokens, n_best=n_best)
         for i, (r, iid) in enumerate(zip(b.rows.tolist(), b.image_ids.tolist(), strict=True)):
             for j in range(n_best):
-                w = _word_ids(d.tokens[i, j].tolist(), codec, max_words)
+                w = word_ids(d.tokens[i, j].tolist(), codec)[0][:max_words]
                 row = np.zeros(width, np.int32)
                 row[: len(w)] = w
                 toks.append(row)
@@ -93,7 +82,7 @@ def generate_seqkd(teacher, source: FeatureSource, labels_uri: str, vocab: Vocab
                 img_rows.append(r)
                 img_ids.append(iid)
     tokens = np.stack(toks)
-    split_code = np.full(len(tokens), {"train": 0, "val": 1, "test": 2}[split], np.int8)
+    split_code = np.full(len(tokens), SPLIT_CODES[split], np.int8)
     code = store.add_source(name, tokens, np.asarray(lens), np.asarray(img_rows), np.asarray(img_ids), split_code)
 
     # how far from the ground truth

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from captioning.data.text import EOS, PAD, RadixCodec
-from captioning.decoding import greedy, sample
+from captioning.decoding import greedy, sample, word_ids
 from captioning.metrics.cider import CiderD
 
 
@@ -67,19 +67,7 @@ class ScstLoss:
         """Output tokens (N, L) -> word ids per row, with EOS appended when the row emitted one."""
         out = []
         for row in tokens.tolist():
-            if self.codec is not None:
-                ids = self.codec.decode_caption(row)
-                ended = self.codec.eos in row
-            else:
-                ids = []
-                ended = False
-                for t in row:
-                    if t == EOS:
-                        ended = True
-                        break
-                    if t == PAD:
-                        break
-                    ids.append(t)
+            ids, ended = word_ids(row, self.codec)
             out.append([*ids, EOS] if ended else ids)
         return out
 
