@@ -4,10 +4,8 @@ was killed; a student that fails is reported, not fatal to the others."""
 
 from __future__ import annotations
 
-import json
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -174,16 +172,12 @@ def _student(rc: RunContext, name: str, data, feats, labels, teacher, kd, scst: 
     rc.tracker.end(erun)
     rc.tracker.metrics(run, {f"test_{k}": v for k, v in {**test, **summary}.items()})
     # the model folder: checkpoint + vocabulary + what produced it (registered below)
-    model_dir = out / "model"
-    model_dir.mkdir(exist_ok=True)
     st = checkpoint.load(final_ckpt)
-    checkpoint.save(model_dir / "model.pt", model=model, arch=st["arch"], vocab_digest=st["vocab_digest"],
-                    epoch=st["epoch"], step=st["step"], extra={"student": name, "preset": pname})
-    (model_dir / "vocab.json").write_text(Path(labels["vocab_path"]).read_text(encoding="utf-8"), encoding="utf-8")
-    (model_dir / "capflow.json").write_text(json.dumps({
-        "student": name, "preset": pname, "features": cfg.features.model_dump(mode="json"),
-        "max_words": cfg.dataset.max_words, "beam": cfg.evaluation.beam, "test_metrics": test}, indent=2),
-        encoding="utf-8")
+    model_dir = checkpoint.save_model_dir(
+        out / "model", model=model, arch=st["arch"], vocab=labels["vocab_path"],
+        features=cfg.features.model_dump(mode="json"), student=name, preset=pname, max_words=cfg.dataset.max_words,
+        beam=cfg.evaluation.beam, test_metrics=test, vocab_digest=st["vocab_digest"], epoch=st["epoch"],
+        step=st["step"])
     rc.tracker.artifact(run, model_dir, "model")
     test_set = data["digest"]
     version = rc.tracker.register(run, "model", {"student": name, "preset": pname, "test_CIDEr": test.get("CIDEr"),

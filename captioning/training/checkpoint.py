@@ -7,6 +7,7 @@ so a killed run never leaves a torn checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -16,6 +17,9 @@ import numpy as np
 import torch
 
 FORMAT = "capflow-checkpoint/1"
+
+#: the files of a model folder (what the pipeline registers and ``capflow caption`` loads)
+MODEL_FILE, VOCAB_FILE, META_FILE = "model.pt", "vocab.json", "capflow.json"
 
 
 def rng_state() -> dict[str, Any]:
@@ -65,6 +69,35 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     if state.get("format") != FORMAT:
         raise ValueError(f"{path}: not a capflow checkpoint (format {state.get('format')!r})")
     return state
+
+
+def save_model_dir(path: str | Path, *, model: torch.nn.Module, arch: dict[str, Any], vocab: Any,
+                   features: dict[str, Any], student: str, preset: str, max_words: int, beam: int,
+                   test_metrics: dict[str, Any] | None = None, vocab_digest: str = "", epoch: int = 0,
+                   step: int = 0) -> Path:
+    """Write a model folder: ``model.pt`` (weights only, :func:`save`), ``vocab.json`` and ``capflow.json``
+    (``{"student", "preset", "features", "max_words", "beam", "test_metrics"}``; ``features`` is the config's
+    ``features`` section as JSON, so a captioner can rebuild the same region extractor).
+
+    ``vocab`` is the path of a ``vocab.json`` (copied as is) or a :class:`~captioning.data.text.Vocabulary`.
+    ``vocab_digest`` defaults to the vocabulary's digest when a Vocabulary is given. Returns the folder.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(vocab, str | Path):
+        vocab_text = Path(vocab).read_text(encoding="utf-8")
+    else:
+        vocab_text = json.dumps(vocab.to_dict(), ensure_ascii=False, indent=1)
+        vocab_digest = vocab_digest or vocab.digest()
+    save(out / MODEL_FILE, model=model, arch=arch, vocab_digest=vocab_digest, epoch=epoch, step=step,
+         extra={"student": student, "preset": preset})
+    meta = {"student": student, "preset": preset, "features": features, "max_words": max_words, "beam": beam,
+            "test_metrics": dict(test_metrics or {})}
+    for name, text in ((VOCAB_FILE, vocab_text), (META_FILE, json.dumps(meta, indent=2))):
+        tmp = out / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out / name)
+    return out
 
 
 def _plain(obj: Any) -> Any:
