@@ -13,11 +13,12 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_HOME ?= $(CURDIR)/.capflow/prefect
 
-.PHONY: install test test-fast lint format demo lock clean help
+.PHONY: install browser stack-up stack-down test test-fast lint format demo lock clean help
 
 help:
 	@echo "make demo     - install (if needed) and run the whole pipeline on a synthetic dataset (capflow run --preset demo)"
 	@echo "make test     - install (if needed) and run the whole test suite"
+	@echo "make stack-up - local Prefect + MLflow + S3 servers (capflow stack up); make stack-down stops them"
 	@echo "make lint     - ruff"
 	@echo "make install  - create/update .venv (CAPFLOW_SKIP_DETECTRON2=1: bring your own detectron2)"
 
@@ -31,7 +32,17 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) infra/install_detectron2.py
 	@touch $(STAMP)
 	@echo "environment ready: $(VENV)"
 
-test: install
+# Headless Chromium for the UI test (tests/test_stack.py): installed with apt-get when missing and running as
+# root (CI); elsewhere install it yourself or the browser test is skipped. CAPFLOW_NO_APT=1 never installs.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ] && [ -z "$$CAPFLOW_NO_APT" ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (apt-get)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	  else echo "chromium not found: the UI screenshot test will be skipped"; fi
+
+test: install browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install
@@ -42,6 +53,13 @@ lint: install
 
 format: install
 	$(BIN)/ruff format .
+
+# The local servers (capflow stack): Prefect :4200, MLflow :5000, S3 endpoint :9000 on 127.0.0.1.
+stack-up: install
+	$(BIN)/capflow stack up
+
+stack-down: install
+	$(BIN)/capflow stack down
 
 demo: install
 	@mkdir -p "$(PREFECT_HOME)"

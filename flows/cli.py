@@ -381,6 +381,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_caption(args: argparse.Namespace) -> int:
+    import os
+
+    from captioning.inference import Captioner, CaptionerError
+    from tasks.models import ModelResolveError, resolve_model
+
+    if args.batch_size < 1:
+        raise CLIError("--batch-size must be >= 1")
+    if args.beam is not None and args.beam < 1:
+        raise CLIError("--beam must be >= 1")
+    registry = args.model.startswith("models:/")
+    try:
+        uri = None
+        if registry:
+            from tasks.tracking import tracking_uri
+
+            uri = tracking_uri(_cfg(args))
+        folder = resolve_model(args.model, uri)
+        captioner = Captioner(folder, device=args.device, beam=args.beam, batch_size=args.batch_size,
+                              progress=not (args.json or args.no_progress))
+    except ModelResolveError as e:
+        hint = ""
+        if registry and not (args.preset or args.config or os.environ.get("MLFLOW_TRACKING_URI")):
+            hint = " (another pipeline's store: pass its --preset/--config, e.g. --preset demo, or set " \
+                   "MLFLOW_TRACKING_URI)"
+        raise CLIError(f"{e}{hint}") from None
+    except CaptionerError as e:
+        raise CLIError(str(e)) from None
+    try:
+        res = captioner.caption(args.images)
+    except CaptionerError as e:
+        raise CLIError(str(e)) from None
+    if args.json:
+        print(json.dumps(res.captions, indent=2, ensure_ascii=False))
+    else:
+        for c in res.captions:
+            print(f"{c['file']}\t{c['caption']}")
+    for r in res.rejected:
+        print(f"capflow caption: rejected {r['file']}: {r['error']}", file=sys.stderr)
+    if not res.captions:
+        print(f"capflow caption: none of the {len(args.images)} images could be captioned", file=sys.stderr)
+        return 2
+    return 1 if res.rejected else 0
+
+
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="capflow", description="Train and compare compact, fast image captioners.")
@@ -479,6 +524,30 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=cmd_evaluate)
 
+    cp = sub.add_parser("caption", help="caption image files with a trained model", description=(
+        "Caption image files with a trained model: a registered version (models:/NAME@ALIAS or "
+        "models:/NAME/VERSION, downloaded once from MLflow: MLFLOW_TRACKING_URI, else the store of the "
+        "--preset/--config given, else the default workdir's), a model folder (model.pt, vocab.json, capflow.json) "
+        "or its model.pt. Regions are extracted with the same detector settings the model was trained on, then "
+        "beam-decoded as in evaluation. Output: one 'file<TAB>caption' line per captioned image, or with --json "
+        "exactly the JSON list [{\"file\": ..., \"caption\": ...}] of the captioned images. Files that cannot "
+        "be captioned (missing, unreadable, corrupt, too small) are reported on stderr only, never in the JSON. "
+        "Exit status: 0 all captioned, 1 some rejected, 2 none captioned or the model cannot be used."))
+    cp.add_argument("images", nargs="+", metavar="IMAGE", help="image files")
+    cp.add_argument("--model", default="models:/capflow-captioner@champion",
+                    help="models:/NAME@ALIAS, models:/NAME/VERSION, a model folder or a model.pt "
+                    "(default models:/capflow-captioner@champion)")
+    cp.add_argument("--json", action="store_true", help="print the captions as a JSON list of {file, caption}")
+    cp.add_argument("--batch-size", type=int, default=16, help="images loaded, extracted and decoded together "
+                    "(default 16)")
+    cp.add_argument("--device", default="auto", help="torch device for the detector and the model: auto (CUDA "
+                    "when present), cpu, cuda, cuda:N")
+    cp.add_argument("--beam", type=int, help="beam width (default: the pipeline's evaluation.beam stored with the "
+                    "model; 1 = greedy)")
+    cp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _config_args(cp)
+    cp.set_defaults(func=cmd_caption)
+
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
     b.add_argument("name", choices=["loader", "extract", "decode", "cider", "learning"],
@@ -505,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
     b.set_defaults(func=cmd_bench)
+
+    from flows.platform_cli import add_commands
+
+    add_commands(sub, _config_args)
     return p
 
 
@@ -516,10 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     from captioning.data.karpathy import DatasetError
     from captioning.data.stores import StoreError
+    from flows.stack import StackError
 
     try:
         return func(args)
-    except (ConfigError, DatasetError, StoreError, CLIError) as e:
+    except (ConfigError, DatasetError, StoreError, StackError, CLIError) as e:
         print(f"capflow {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -64,7 +64,34 @@ def pipeline(preset: str = "demo", config_path: str | None = None, overrides: li
              students: list[str] | None = None, scst: bool = True) -> dict[str, Any]:
     """Run the whole capflow DAG (see the module docstring). Returns the run's summary."""
     cfg = build_config(preset, config_path, overrides, students, scst)
-    return run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
+    summary = run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
+    from prefect.artifacts import create_markdown_artifact
+
+    text = what_changed(summary)
+    print(text)
+    create_markdown_artifact(markdown=text, key="capflow-run-summary", description="what this run changed")
+    return summary
+
+
+def what_changed(summary: dict[str, Any]) -> str:
+    """A short markdown account of a run: stages re-run vs cached, the leaderboard, the champion decision."""
+    ran = [k for k, v in summary["stages"].items() if v == "ran"]
+    cached = [k for k, v in summary["stages"].items() if v == "cached"]
+    lines = ["## capflow run summary", "",
+             f"- re-ran (inputs or settings changed): {', '.join(ran) or 'nothing'}",
+             f"- reused from cache: {', '.join(cached) or 'nothing'}"]
+    for f in summary["failed"]:
+        lines.append(f"- FAILED: {f['student']}: {f['error']}")
+    ch = summary["champion"]
+    lines.append(f"- champion: {'changed to ' + str(ch['student']) if ch['changed'] else 'unchanged'}"
+                 f" (version {ch['version']}; {ch['reason']})")
+    lines += ["", "| student | CIDEr | BLEU-4 | params | latency ms |", "|---|---|---|---|---|"]
+    for r in summary["leaderboard"]:
+        m = r["metrics"]
+        lines.append(f"| {r['student']} | {m.get('CIDEr', float('nan')):.3f} | {m.get('Bleu_4', float('nan')):.3f} "
+                     f"| {r['params']:,} | {r['latency_ms']:.1f} |")
+    lines += ["", f"MLflow run `{summary['mlflow_run_id']}` in {summary['tracking_uri']}"]
+    return "\n".join(lines)
 
 
 def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | None = None) -> dict[str, Any]:

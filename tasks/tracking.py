@@ -28,7 +28,11 @@ from captioning.config import PipelineConfig
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _SECRET = re.compile(r"(secret|password|passwd|token|credential|access_key|api_key)", re.I)
+_URL_PASSWORD = re.compile(r"(://[^/:@\s]*:)[^/@\s]+@")  # scheme://user:PASSWORD@host -> scheme://user:***@host
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow writes "View run ... at: URL" lines to stdout when a run ends on a tracking server; capflow's stdout is
+# its own output (``--json`` documents), so those links are left out (the CLI prints where the runs are).
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 MAX_PARAM = 6000
 
 
@@ -66,7 +70,7 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
             out.update(flatten(v, key + "."))
         else:
             s = json.dumps(v) if isinstance(v, list | tuple | bool) or v is None else str(v)
-            out[key] = s[:MAX_PARAM]
+            out[key] = _URL_PASSWORD.sub(r"\1***@", s)[:MAX_PARAM]
     return out
 
 
@@ -85,8 +89,10 @@ class Tracker:
             loc = None
             if self.uri.startswith("sqlite:///"):
                 loc = (cfg.workdir / "mlartifacts").resolve().as_uri()
-            self.experiment_id = retry(lambda: self.client.create_experiment(name, artifact_location=loc),
-                                       "create experiment")
+            # the kind tag makes the MLflow UI open the experiment as training runs, not as a GenAI app
+            self.experiment_id = retry(lambda: self.client.create_experiment(
+                name, artifact_location=loc, tags={"mlflow.experimentKind": "custom_model_development"}),
+                "create experiment")
         else:
             self.experiment_id = exp.experiment_id
 
