@@ -379,7 +379,7 @@ def extract_features(
         elif todo:
             from distributed import Client, as_completed
 
-            own_cluster = None
+            own_cluster, own_client = None, client is None
             if client is None:
                 if f.dask_address:
                     client = Client(f.dask_address)
@@ -393,8 +393,9 @@ def extract_features(
                 for fut in as_completed(futures):
                     done(fut.result())
             finally:
-                if own_cluster is not None:
+                if own_client:  # a client we opened (to our LocalCluster or an external scheduler) is closed
                     client.close()
+                if own_cluster is not None:
                     own_cluster.close()
     finally:
         bar.close()
