@@ -27,6 +27,12 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override one setting, e.g. --set dataset.max_reject_fraction=0.05 (repeatable)")
 
 
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The pipeline flow's own parameters besides the configuration (capflow run, capflow deploy)."""
+    p.add_argument("--students", help="comma-separated students (default: students.names of the config)")
+    p.add_argument("--no-scst", action="store_true", help="skip SCST fine-tuning")
+
+
 def _cfg(args: argparse.Namespace) -> PipelineConfig:
     return load_config(args.preset, args.config, args.overrides)
 
@@ -484,8 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         "leaderboard -> promotion as a Prefect flow, recording everything in MLflow. Finished stages are cached; "
         "a killed run resumes. Honours PREFECT_API_URL and MLFLOW_TRACKING_URI."))
     _config_args(r)
-    r.add_argument("--students", help="comma-separated students (default: students.names of the config)")
-    r.add_argument("--no-scst", action="store_true", help="skip SCST fine-tuning")
+    _pipeline_args(r)
     r.add_argument("--json", action="store_true", help="print the run summary as JSON")
     r.set_defaults(func=cmd_run)
 
@@ -577,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from flows.platform_cli import add_commands
 
-    add_commands(sub, _config_args)
+    add_commands(sub, _config_args, _pipeline_args)
     return p
 
 

@@ -110,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def add_commands(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_commands(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None],
+                 pipeline_args: Callable[[argparse.ArgumentParser], None]) -> None:
     s = sub.add_parser("stack", help="local Prefect + MLflow + S3 servers on 127.0.0.1", description=(
         "Start/stop a local stack: S3 endpoint (moto server), MLflow server (SQLite backend, artifacts proxied to "
         "s3://BUCKET/mlflow), Prefect server and a process worker for the 'capflow' work pool. Everything binds "
@@ -136,8 +137,7 @@ def add_commands(sub: argparse._SubParsersAction, config_args: Callable[[argpars
     d.add_argument("--name", default="nightly", help="deployment name (default nightly)")
     d.add_argument("--cron", default="0 2 * * *", help="cron expression (default '0 2 * * *')")
     d.add_argument("--timezone", default="UTC", help="IANA time zone of the schedule (default UTC)")
-    d.add_argument("--students", help="comma-separated students (default: the config's)")
-    d.add_argument("--no-scst", action="store_true", help="skip SCST fine-tuning")
+    pipeline_args(d)
     d.add_argument("--workdir", help="working directory of flow runs on a process pool (default: the current folder)")
     d.add_argument("--work-pool", default=WORK_POOL, help="work pool (default capflow, a process pool created when "
                    "missing; any other pool, e.g. kubernetes, must exist)")

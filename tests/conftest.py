@@ -47,3 +47,15 @@ def synthetic_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synthetic_small")
     generate_synthetic(out, SYNTHETIC_IMAGES, SYNTHETIC_SEED, min_size=64, max_size=112)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a whole module (CPU extraction is bit-exact per thread count; steadier timings on a
+    shared 2-core machine), restored afterwards. Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -37,14 +37,7 @@ TRAIN_IMAGES = 6  # images whose real captions the tiny model is fitted on
 SUBSET = ["COCO_val2014_000000078707.jpg", "COCO_val2014_000000165547.jpg", "COCO_train2014_000000057870.jpg",
           "COCO_val2014_000000060623.jpg"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread for the whole module (CPU extraction is bit-exact per thread count), restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,8 @@ REAL = [  # (w x h) 640x427, 500x368, 640x480, 640x427 (batched with the first)
     "COCO_val2014_000000060623.jpg",
 ]
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def _cfg(**kw) -> ExtractorConfig:
     return ExtractorConfig(**{**SMALL, **kw})
@@ -55,13 +57,6 @@ def _sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: steady timings on a shared 2-core machine (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
