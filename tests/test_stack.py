@@ -24,7 +24,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from flows.stack import HOST, Stack
+from flows.stack import HOST, Stack, port_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
@@ -310,9 +310,11 @@ def test_stack_down_leaves_no_process_or_port(plat):
     assert json.loads(p.stdout)["ports_still_in_use"] == []
     _gone, alive = psutil.wait_procs(procs, timeout=10)
     assert alive == []
-    for port in st.ports.values():
-        with socket.socket() as s:
-            s.bind((HOST, port))
+    # nothing listens on the stack's ports any more, and a server could bind them again (SO_REUSEADDR, as
+    # servers do: connections of the stopped servers may still sit in TIME_WAIT)
+    listening = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert not listening & set(st.ports.values())
+    assert all(port_free(port) for port in st.ports.values())
     status = plat.capflow("stack", "status", "--home", str(plat.home), "--json", check=False)
     assert status.returncode == 1 and json.loads(status.stdout)["running"] is False
     assert (plat.home / "s3" / "capflow-test").is_dir()  # the bucket's objects were kept for the next `up`
