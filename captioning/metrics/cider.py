@@ -463,7 +463,8 @@ class CiderD:
             vr = weights[pos[hit]]  # (hits, r_max); 0 where that reference lacks the n-gram
             contrib = np.minimum(vh[e, None], vr) * vr
             flat = ((cand[e] * n + order[e])[:, None] * r_max + np.arange(r_max)).reshape(-1)
-            dot = np.bincount(flat, weights=contrib.reshape(-1), minlength=n_c * n * r_max)
+            # float64 even when nothing hit (bincount of empty weights returns int64)
+            dot = np.bincount(flat, weights=contrib.reshape(-1), minlength=n_c * n * r_max).astype(np.float64)
         dot = dot.reshape(n_c, n, r_max).transpose(0, 2, 1)  # (candidate, reference, order)
         denom = norm_h[:, None, :] * ref_norm[u_inv]
         val = np.divide(dot, denom, out=np.zeros_like(dot), where=denom != 0)

@@ -67,6 +67,17 @@ def test_sigma_and_single_image():
     assert per == pyco({1: HAND_GTS[1]}, {1: HAND_RES[1]})[1] == {1: 0.0}
 
 
+def test_batch_without_any_matching_ngram_scores_zero():
+    """Known words, but no n-gram of any candidate in its own image's references (an early SCST batch): zeros,
+    not a dtype error from an empty match table."""
+    scorer = CiderD(HAND_GTS)
+    got = scorer.score_batch(["dogs snow", "horse beach ocean"], [1, 2])
+    np.testing.assert_array_equal(got, [0.0, 0.0])
+    assert got.dtype == np.float64
+    _, expect = pyco({1: HAND_GTS[1], 2: HAND_GTS[2]}, {1: "dogs snow", 2: "horse beach ocean"})
+    assert expect == {1: 0.0, 2: 0.0}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_corpora_match_pycocoevalcap(seed):
     rng = np.random.default_rng(seed)
