@@ -10,9 +10,7 @@ from __future__ import annotations
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 
 AIC = ArchConfig(vocab_size=9488)
-# ORT and ACORT initialise as their released code does (Glorot-uniform weight matrices, see
-# Captioner.init_weights); ACORT's radix decoder does not learn at small sizes without it
-_ORT = AIC.replace(geometry=True, vocab_size=10001, init="xavier")
+_ORT = AIC.replace(geometry=True, vocab_size=10001)
 _ACORT = _ORT.replace(share="kv", codec="radix", vocab_size=771, bos=769, eos=770,
                       enc_share=(0, 0, 0, 1, 1, 1), dec_share=(0, 0, 0, 1, 1, 1))
 _LW = AIC.replace(groups=2, ffn="grouped")

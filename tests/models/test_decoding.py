@@ -197,7 +197,7 @@ def test_greedy_matches_bruteforce_forward(name):
         assert rows(d) == greedy_reference(model, inputs, max_len)
 
 
-@pytest.mark.parametrize("eos_bias", [0.0, 1.0])
+@pytest.mark.parametrize("eos_bias", [0.0, 2.0])  # 2.0: EOS competes with words at these random weights
 @pytest.mark.parametrize("name", ["aic", "satic-k2", "satic-k4"])
 def test_beam_matches_reference(name, eos_bias):
     model, _, memory = model_and_inputs(name)
@@ -369,7 +369,8 @@ def test_low_temperature_approaches_greedy():
     assert rates[0] < rates[1] < rates[2]
     assert rates[2] > 0.95
     g = rows(greedy(model, memory))
-    cold = rows(sample(model, memory, n=4, temperature=1e-3, generator=torch.Generator().manual_seed(3)))
+    # 1e-6: these random weights have a near-tie (log-prob gap < 1e-4) that T = 1e-3 still samples across
+    cold = rows(sample(model, memory, n=4, temperature=1e-6, generator=torch.Generator().manual_seed(3)))
     assert cold == [g[i // 4] for i in range(len(cold))]
 
 

@@ -160,7 +160,7 @@ def test_cached_decoding_matches_uncached(k):
             tokens = torch.randint(3, 50, (3, k), generator=g)
         # teacher forcing on the whole input sequence = the concatenated step outputs
         tf = model(None, None, None, prefix, memory=mem)
-        torch.testing.assert_close(tf, torch.cat(steps, 1), atol=ATOL, rtol=0)
+        torch.testing.assert_close(tf, torch.cat(steps, 1), atol=ATOL, rtol=1e-5)  # float32 rounding
         # beam-search reordering keeps the cache consistent
         idx = torch.tensor([2, 2, 0])
         cache.reorder(idx)

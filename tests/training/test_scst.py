@@ -73,7 +73,7 @@ def test_mean_of_others_baseline_and_gradient_direction():
     """With the mean-of-others baseline the advantages of an image sum to zero; a step raises the log-prob
     of the better-than-average samples."""
     model = _tiny("aic").train()
-    loss = ScstLoss({7: [[3, 4, 5]], 8: [[6, 7]]}, samples=4, max_tokens=6)
+    loss = ScstLoss({7: [[3, 4, 5]], 8: [[6, 7]]}, samples=16, max_tokens=6)  # enough that some samples score
 
     class B:
         features = torch.randn(2, 5, 12)
@@ -86,6 +86,7 @@ def test_mean_of_others_baseline_and_gradient_direction():
     assert tokens > 0
     (total / tokens).backward()
     st = loss.pop_stats()
+    assert st["reward"] > 0  # some samples hit the references (else every advantage is 0)
     assert st["reward"] == pytest.approx(st["baseline_reward"], abs=1e-12)  # mean of others: same average
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     with pytest.raises(ValueError, match="at least 2"):
