@@ -258,7 +258,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         for h in res["history"]:
             print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()))
-        print(f"best {res['best_metric']:.4f} at epoch {res['best_epoch'] + 1}: {res['best_checkpoint']}")
+        at = "the starting weights" if res["best_epoch"] < 0 else f"epoch {res['best_epoch'] + 1}"
+        print(f"best {res['best_metric']:.4f} at {at}: {res['best_checkpoint']}")
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from flows.cli import main
 
 SETS = ["dataset.synthetic.num_images=40", "features.source=synthetic-informative", "features.feature_dim=16",
@@ -38,6 +40,14 @@ def test_train_cli_xe_scst_and_data_parallel(tmp_path, capsys):
     assert main(["train", "--json", "--nproc", "2", "--out", str(tmp_path / "ddp"), *a]) == 0
     dp = json.loads(capsys.readouterr().out)
     assert dp["processes"] == 2 and dp["epochs_run"] == 2 and (tmp_path / "ddp" / "last.pt").exists()
+    # SCST data-parallel: rank 0 validates the start and every rank takes the same best decision
+    assert main(["train", "--json", "--nproc", "2", "--scst-from", xe["best_checkpoint"],
+                 "--out", str(tmp_path / "ddp-scst"), *a]) == 0
+    ds = json.loads(capsys.readouterr().out)
+    assert ds["processes"] == 2 and ds["epochs_run"] == 1 and "reward" in ds["history"][0]
+    start_score = torch.load(xe["best_checkpoint"], weights_only=True)["extra"]["metrics"]["CIDEr"]
+    assert ds["best_metric"] == max(start_score, ds["history"][0]["CIDEr"])
+    assert ds["best_epoch"] == (-1 if start_score >= ds["history"][0]["CIDEr"] else 0)
 
 
 def test_train_cli_errors(tmp_path, capsys):

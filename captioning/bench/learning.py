@@ -84,6 +84,7 @@ def run(preset: str = "learning", overrides: tuple[str, ...] = (), workdir: str 
                "init_tensors_loaded": info.get("init_loaded", 0),
                "xe": _summary(xe_eval), "scst": _summary(scst_eval),
                "xe_best_val_cider": res.best_metric, "scst_best_val_cider": scst_res.best_metric,
+               "scst_best_epoch": scst_res.best_epoch, "scst_val_cider": [h.get("CIDEr") for h in scst_res.history],
                "xe_seconds": t1 - t0, "scst_seconds": time.perf_counter() - t1,
                "scst_reward": [h.get("reward") for h in scst_res.history]}
         for stage in ("xe", "scst"):

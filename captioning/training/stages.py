@@ -143,7 +143,10 @@ def seqkd(ctx: StageContext, teacher: Captioner, name: str) -> SeqKDReport:
 def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Path, *,
              settings: TrainSettings | None = None, on_epoch: EpochFn | None = None,
              stop_after_steps: int | None = None) -> tuple[Captioner, TrainResult]:
-    """SCST fine-tuning starting from ``init_checkpoint`` (the XE best); resumes from ckpt_dir/last.pt."""
+    """SCST fine-tuning starting from ``init_checkpoint`` (the XE best); resumes from ckpt_dir/last.pt.
+
+    The starting weights are validated first and compete for the best checkpoint (``best_epoch == -1``: no SCST
+    epoch beat them on validation, and the returned model is the starting one)."""
     sc = ctx.cfg.students.scst
     s = settings or scst_settings(sc, ctx.cfg)
     model, _ = load_model(init_checkpoint, device=ctx.device)
@@ -159,7 +162,7 @@ def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Pat
 
     res = train(model, data, s, ckpt_dir, validate=ctx.validator(model), on_epoch=epoch_done, device=ctx.device,
                 vocab_digest=ctx.vocab.digest(), loss_fn=loss, progress=ctx.progress,
-                stop_after_steps=stop_after_steps)
+                stop_after_steps=stop_after_steps, select_start=True)
     best, _ = load_model(res.best_checkpoint or res.last_checkpoint, device=ctx.device)
     return best, res
 

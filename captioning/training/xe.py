@@ -161,6 +161,7 @@ def train(
     progress: bool = True,
     stop_after_steps: int | None = None,
     distributed: bool | None = None,
+    select_start: bool = False,
 ) -> TrainResult:
     """Train until ``settings.epochs`` (resuming from ``ckpt_dir/last.pt`` if present).
 
@@ -174,7 +175,11 @@ def train(
     ``distributed``: None (default) trains data-parallel when called inside an initialised ``torch.distributed``
     process group of more than one process; False forces single-process training. In data-parallel mode
     ``settings.batch_size`` is the global batch size, ``validate``/``on_epoch`` run on rank 0 only, and
-    ``device`` is this rank's device (:func:`captioning.training.ddp.rank_device`)."""
+    ``device`` is this rank's device (:func:`captioning.training.ddp.rank_device`).
+
+    ``select_start``: validate the starting weights before the first epoch and let them compete for ``best.pt``
+    (as epoch -1): fine-tuning (SCST) then never returns a model worse on validation than the one it started
+    from. ``TrainResult.best_epoch == -1`` says no epoch beat the start."""
     s = settings
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -212,6 +217,10 @@ def train(
             log.info("resuming from %s (epoch %d done)", last, st["epoch"])
     else:
         torch.manual_seed(s.seed if rank == 0 else _rank_seed(s.seed, rank))
+        if select_start and validate is not None:
+            best = _validate_start(model, validate, ckpt_dir, s, arch, vocab_digest, rank, world)
+            if best > float("-inf"):
+                best_epoch = -1
     fn = loss_fn or (lambda m, b: _xe_step(m, b, s))
     wrapped = None
     if world > 1:  # DDP broadcasts rank 0's weights here and averages the gradients in backward
@@ -291,6 +300,29 @@ def train(
                        last_checkpoint=last if last.exists() else None,
                        best_checkpoint=ckpt_dir / "best.pt" if (ckpt_dir / "best.pt").exists() else None,
                        resumed_from_epoch=start_epoch)
+
+
+def _validate_start(model: Captioner, validate: Callable[[Captioner], dict[str, float]], ckpt_dir: Path,
+                    s: TrainSettings, arch: dict[str, Any] | None, vocab_digest: str, rank: int, world: int) -> float:
+    """The starting weights' validation score (rank 0 validates, every rank gets it); rank 0 writes them as
+    ``best.pt`` (epoch -1). Consumes no random numbers, so a run with it trains exactly as one without."""
+    metrics: dict[str, Any] = {}
+    if rank == 0:
+        was_training = model.training
+        model.eval()
+        metrics = {"epoch": -1, **validate(model)}
+        model.train(was_training)
+    if world > 1:
+        box = [metrics]
+        dist.broadcast_object_list(box, src=0)
+        metrics = box[0]
+    if s.select_metric not in metrics:
+        return float("-inf")
+    if rank == 0:
+        checkpoint.save(ckpt_dir / "best.pt", model=model, arch=arch or model.cfg.to_dict(),
+                        vocab_digest=vocab_digest, epoch=-1, step=0, extra={"metrics": metrics, "start": True})
+        log.info("starting weights: %s %.4f", s.select_metric, metrics[s.select_metric])
+    return float(metrics[s.select_metric])
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Captioner, dict[str, Any]]:

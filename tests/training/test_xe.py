@@ -68,6 +68,38 @@ def test_training_reduces_loss_and_selects_best(data, tmp_path):
     assert loaded.cfg == model.cfg and st["arch"]["group_size"] == 2
 
 
+@pytest.mark.parametrize("scores,best_epoch", [([0.2, 0.3], -1), ([0.2, 0.9], 1)])
+def test_select_start_keeps_the_starting_weights_unless_an_epoch_beats_them(data, tmp_path, scores, best_epoch):
+    """Fine-tuning (SCST) validates its start first: a model worse on validation than the start is never best,
+    the start competes as epoch -1, the training itself is unchanged, and a resumed run keeps the start's score."""
+    start = _model()
+    start_sd = {k: v.clone() for k, v in start.state_dict().items()}
+    seen = []
+
+    def validate(m):
+        seen.append(1)
+        return {"CIDEr": [0.5, *scores][len(seen) - 1]}  # the start scores 0.5
+
+    s = TrainSettings(epochs=2, batch_size=6, schedule="constant", lr=1e-3, seed=4)
+    r = train(start, _dataset(data), s, tmp_path / "sel", validate=validate, progress=False, select_start=True)
+    assert len(seen) == 3 and r.best_epoch == best_epoch and r.best_metric == max(0.5, *scores)
+    best = checkpoint.load(r.best_checkpoint)
+    assert best["epoch"] == best_epoch
+    if best_epoch == -1:
+        assert best["extra"]["start"] and best["extra"]["metrics"]["CIDEr"] == 0.5
+        for k, v in start_sd.items():
+            assert torch.equal(best["state_dict"][k], v), k
+    # validating the start draws no random numbers: the weights end as without select_start
+    plain = _model()
+    train(plain, _dataset(data), s, tmp_path / "plain", validate=lambda m: {"CIDEr": 0.0}, progress=False)
+    for (k, a), (_, b) in zip(start.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    # resumed after the last epoch: nothing re-validated, the decision kept
+    again = train(_model(), _dataset(data), s, tmp_path / "sel", validate=validate, progress=False,
+                  select_start=True)
+    assert len(seen) == 3 and again.best_epoch == best_epoch
+
+
 def test_early_stopping(data, tmp_path):
     s = TrainSettings(epochs=6, batch_size=6, schedule="constant", lr=1e-3, patience=2)
     r = train(_model(), _dataset(data), s, tmp_path, validate=lambda m: {"CIDEr": 1.0}, progress=False)
