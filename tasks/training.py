@@ -156,8 +156,9 @@ def _student(rc: RunContext, name: str, data, feats, labels, teacher, kd, scst: 
         rc.tracker.params(srun, {"scst": cfg.students.scst.model_dump(mode="json"), "settings": vars(ss)})
         t1 = time.perf_counter()
         model, sres = fit_scst(ctx, final_ckpt, out / "scst", settings=ss, on_epoch=_epoch_logger(rc, srun))
-        rc.tracker.metrics(srun, {"best_val_CIDEr": sres.best_metric, "seconds": time.perf_counter() - t1,
-                                  "resumed_from_epoch": sres.resumed_from_epoch})
+        # best_epoch -1: no SCST epoch beat the XE weights on validation, and they are what goes on
+        rc.tracker.metrics(srun, {"best_val_CIDEr": sres.best_metric, "best_epoch": sres.best_epoch,
+                                  "seconds": time.perf_counter() - t1, "resumed_from_epoch": sres.resumed_from_epoch})
         rc.tracker.end(srun)
         final_ckpt = sres.best_checkpoint or sres.last_checkpoint
     erun = rc.tracker.start("evaluate", run, {"capflow.student": name})
