@@ -427,6 +427,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
             print(f"{c['file']}\t{c['caption']}")
     for r in res.rejected:
         print(f"capflow caption: rejected {r['file']}: {r['error']}", file=sys.stderr)
+    empty = sum(not c["caption"] for c in res.captions)
+    if empty:  # a model output, not an input error: reported, and the exit status stays 0
+        print(f"capflow caption: {empty} of {len(res.captions)} captions are empty (the model ended them at once: "
+              "it is undertrained, or the images are unlike its training data)", file=sys.stderr)
     if not res.captions:
         print(f"capflow caption: none of the {len(args.images)} images could be captioned", file=sys.stderr)
         return 2

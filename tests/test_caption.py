@@ -366,3 +366,18 @@ def test_json_output_is_the_list_of_file_and_caption(capsys, model_dir, subset_c
     assert all(isinstance(e, dict) and set(e) == {"file", "caption"} for e in got)
     assert [e["file"] for e in got] == files
     assert {e["file"]: e["caption"] for e in got} == subset_captions  # batch size 1 = batch size 16
+    assert all(subset_captions.values()) and "empty" not in err  # the fitted model writes words
+
+
+def test_empty_captions_are_counted_on_stderr(capsys, tmp_path, untrained_dir, subset_captions):
+    """A model that ends every caption at once: empty strings in the output, a count on stderr, exit 0."""
+    folder = tmp_path / "eos-first"
+    shutil.copytree(untrained_dir, folder)
+    st = checkpoint.load(folder / "model.pt")
+    st["state_dict"]["generator.bias"][int(st["arch"]["eos"])] += 1e4
+    torch.save(st, folder / "model.pt")
+    files = list(subset_captions)[:2]
+    rc, out, err = run(capsys, "caption", *files, "--model", str(folder), "--json", "--device", "cpu")
+    assert rc == 0, err
+    assert [e["caption"] for e in json.loads(out)] == ["", ""]
+    assert "2 of 2 captions are empty" in err

@@ -236,7 +236,14 @@ def test_caption_real_images_with_the_champion(plat, external):
     p = plat.capflow("caption", *map(str, images), "--model", "models:/capflow-captioner@champion", "--json")
     out = json.loads(p.stdout)
     assert [o["file"] for o in out] == [str(i) for i in images]
-    assert all(isinstance(o["caption"], str) and o["caption"].strip() for o in out)
+    # the champion downloaded through the MLflow server (artifacts on S3) captions exactly like the model folder
+    # the pipeline wrote (tiny preset, 1 XE epoch: captions may be empty, and are then counted on stderr)
+    folders = list((plat.work / ".capflow" / "tiny" / "runs").glob("student-lw-*/model"))
+    assert len(folders) == 1
+    local = json.loads(plat.capflow("caption", *map(str, images), "--model", str(folders[0]), "--json").stdout)
+    assert out == local and all(isinstance(o["caption"], str) for o in out)
+    empty = sum(not o["caption"] for o in out)
+    assert (f"{empty} of 27 captions are empty" in p.stderr) == (empty > 0)
 
 
 def test_transient_s3_outage_is_retried(plat):
