@@ -464,7 +464,8 @@ class CiderD:
             contrib = np.minimum(vh[e, None], vr) * vr
             flat = ((cand[e] * n + order[e])[:, None] * r_max + np.arange(r_max)).reshape(-1)
             # float64 even when nothing hit (bincount of empty weights returns int64)
-            dot = np.bincount(flat, weights=contrib.reshape(-1), minlength=n_c * n * r_max).astype(np.float64)
+            dot = np.bincount(flat, weights=contrib.reshape(-1), minlength=n_c * n * r_max)
+            dot = dot.astype(np.float64, copy=False)
         dot = dot.reshape(n_c, n, r_max).transpose(0, 2, 1)  # (candidate, reference, order)
         denom = norm_h[:, None, :] * ref_norm[u_inv]
         val = np.divide(dot, denom, out=np.zeros_like(dot), where=denom != 0)

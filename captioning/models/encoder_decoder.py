@@ -263,8 +263,10 @@ class Captioner(nn.Module):
             return
         if self.cfg.init != "xavier":
             raise ValueError(f"unknown init {self.cfg.init!r}: default or xavier")
-        own_init = {id(m.queries) for m in self.modules() if hasattr(m, "queries")}
-        own_init |= {id(m.biases) for m in self.modules() if hasattr(m, "biases")}
+        from captioning.models.expansion import DynamicExpansion, StaticExpansion
+
+        own_init = {id(p) for m in self.modules() if isinstance(m, StaticExpansion | DynamicExpansion)
+                    for p in (m.queries, m.biases)}
         for name, p in self.named_parameters():
             if p.dim() < 2 or name.startswith("input_proj.") or id(p) in own_init:
                 continue
