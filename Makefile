@@ -13,12 +13,13 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_HOME ?= $(CURDIR)/.capflow/prefect
 
-.PHONY: install browser stack-up stack-down test test-fast lint format demo lock clean help
+.PHONY: install browser stack-up stack-down test test-fast test-gpu lint format demo lock clean help
 
 help:
 	@echo "make demo     - install (if needed) and run the whole pipeline on a synthetic dataset (capflow run --preset demo)"
 	@echo "make test     - install (if needed) and run the whole test suite"
 	@echo "make stack-up - local Prefect + MLflow + S3 servers (capflow stack up); make stack-down stops them"
+	@echo "make test-gpu - the CUDA tests only (on a machine with a GPU)"
 	@echo "make lint     - ruff"
 	@echo "make install  - create/update .venv (CAPFLOW_SKIP_DETECTRON2=1: bring your own detectron2)"
 
@@ -47,6 +48,11 @@ test: install browser
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# CUDA tests only (fast paths equal the reference paths, reduced-precision agreement, CUDA kill-and-resume).
+# They skip with a reason where no CUDA device is present; CI has none.
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
