@@ -37,6 +37,11 @@ class RunConfig(Section):
         "reproducibility, since they share torch's random generator)"
     )
     device: str = Field("auto", description="Torch device: auto (CUDA when present), cpu, cuda, cuda:N")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Training/decoding precision on CUDA: auto (bf16 where supported, else fp32), fp32, "
+        "bf16 or fp16 (autocast; fp16 with a gradient scaler; checkpoints stay fp32). CPUs always run fp32"
+    )
+    compile: bool = Field(False, description="torch.compile the XE training step (first steps pay the compilation)")
 
 
 class SyntheticConfig(Section):

@@ -2,7 +2,8 @@
 
 Each epoch: batches from a :class:`~captioning.data.loader.CaptionDataset` (its order depends only on the seed
 and the epoch), Adam(0.9, 0.98, 1e-9) with the Noam schedule (or a constant/step schedule), label smoothing,
-gradient clipping by value, AMP on CUDA; then validation (a callable returning metrics, e.g. greedy CIDEr on
+gradient clipping by value, mixed precision on CUDA (``precision``: bf16, or fp16 with a gradient scaler; see
+:mod:`captioning.precision`); then validation (a callable returning metrics, e.g. greedy CIDEr on
 the val split), ``last.pt`` always and ``best.pt`` when the validation score improves, early stopping after
 ``patience`` epochs without improvement. A killed run restarts from ``last.pt`` (weights, optimizer, scheduler,
 RNG state): on CPU it ends with the same weights as an uninterrupted run.
@@ -15,6 +16,11 @@ on the same global batches (up to float rounding, without dropout: each rank dra
 Rank 0 validates, writes the checkpoints and calls ``on_epoch``; the metrics go to every rank, so all ranks take
 the same best-epoch and early-stopping decisions. Every rank resumes from ``last.pt``, which also holds each
 rank's RNG state.
+
+The loop does not wait for the GPU: the loss of each step stays on the device (summed in float64 there, exactly
+the arithmetic of summing ``float(loss)`` on the host, so the logged numbers are the same) and is read every
+``log_every`` steps and at the end of the epoch; batches are copied from pinned memory with ``non_blocking``
+on CUDA; the optimizer is the fused Adam on CUDA. ``compile`` runs the XE step through ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from tqdm.auto import tqdm
 
 from captioning.data.loader import CaptionDataset, make_loader
 from captioning.models.encoder_decoder import PAD, Captioner
+from captioning.precision import autocast, grad_scaler, resolve_precision
 from captioning.training import checkpoint, ddp
 from captioning.training.schedules import constant, noam, step_decay
 
@@ -53,7 +60,10 @@ class TrainSettings:
     label_smoothing: float = 0.0
     clip: float | None = 0.1  # gradient clipping by value
     workers: int = 0
-    amp: bool = False
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (captioning.precision; CPUs always run fp32)
+    compile: bool = False  # torch.compile the XE step (single process)
+    log_every: int = 50  # read the loss on the host (a device sync) every N steps; 1 = every step
+    fused_optimizer: bool = True  # the fused Adam kernel on CUDA (ignored on CPU)
     patience: int | None = None  # early stopping (epochs without validation improvement)
     select_metric: str = "CIDEr"
     seed: int = 0
@@ -71,7 +81,9 @@ class TrainResult:
 
 
 def make_optimizer(model: torch.nn.Module, s: TrainSettings, steps_per_epoch: int):
-    opt = torch.optim.Adam(model.parameters(), lr=s.lr, betas=(0.9, 0.98), eps=1e-9)
+    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    fused = True if (s.fused_optimizer and on_cuda) else None  # None = torch's default (foreach / for-loop)
+    opt = torch.optim.Adam(model.parameters(), lr=s.lr, betas=(0.9, 0.98), eps=1e-9, fused=fused)
     if s.schedule == "noam":
         fn = noam(model.cfg.d_model, s.warmup, s.noam_factor)
     elif s.schedule == "step":
@@ -122,7 +134,7 @@ def _rank_seed(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
 
 
-def _dist_loss(wrapped: DistributedDataParallel, batch, rank: int, world: int, autocast: bool
+def _dist_loss(wrapped: DistributedDataParallel, batch, rank: int, world: int, precision: str
                ) -> tuple[torch.Tensor, float]:
     """This rank's share of a global batch through DDP -> (loss to backpropagate, global mean loss).
 
@@ -134,7 +146,7 @@ def _dist_loss(wrapped: DistributedDataParallel, batch, rank: int, world: int, a
     empty = len(part) == 0
     if empty:
         part = ddp.slice_batch(batch, 0, 1)
-    with torch.autocast(batch.features.device.type, enabled=autocast):
+    with autocast(precision, batch.features.device):
         out = wrapped(part)
     total, count = _sum_count(out, len(part))
     if empty:
@@ -144,6 +156,49 @@ def _dist_loss(wrapped: DistributedDataParallel, batch, rank: int, world: int, a
     g_total, g_count = stats.tolist()
     g_count = max(g_count, 1.0)
     return total * (world / g_count), g_total / g_count
+
+
+class StepRunner:
+    """One optimisation step of :func:`train` (and what ``capflow bench train`` times): the loss under the
+    precision's autocast, backward (scaled for fp16), clipping by value, the optimizer and schedule steps.
+
+    Calling it with a batch already on the device returns the batch's mean loss as a float64 tensor on the
+    device (no host sync), or a float in data-parallel mode (whose all-reduce of the loss syncs anyway).
+    ``settings.compile`` compiles the XE step with ``torch.compile`` (single process, XE only: a custom
+    ``loss_fn`` such as SCST's sampling loop stays eager)."""
+
+    def __init__(self, model: Captioner, opt: torch.optim.Optimizer, sched, settings: TrainSettings,
+                 device: torch.device, *, loss_fn: StepFn | None = None,
+                 wrapped: DistributedDataParallel | None = None, rank: int = 0, world: int = 1):
+        s = settings
+        self.model, self.opt, self.sched, self.s = model, opt, sched, s
+        self.wrapped, self.rank, self.world = wrapped, rank, world
+        self.precision = resolve_precision(s.precision, device)
+        self.device = device
+        self.scaler = grad_scaler(self.precision, device)
+        fn: StepFn = loss_fn or (lambda m, b: _xe_step(m, b, s))
+        if s.compile and loss_fn is None and wrapped is None:
+            fn = torch.compile(fn)
+        self.fn = fn
+
+    def __call__(self, batch) -> torch.Tensor | float:
+        if self.wrapped is None:
+            with autocast(self.precision, self.device):
+                loss = self.fn(self.model, batch)
+            if isinstance(loss, tuple | list):
+                loss = loss[0] / torch.as_tensor(loss[1], device=loss[0].device).clamp(min=1)
+            value: torch.Tensor | float = loss.detach().to(torch.float64)
+        else:
+            loss, value = _dist_loss(self.wrapped, batch, self.rank, self.world, self.precision)
+        self.opt.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if self.s.clip:
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_value_(self.model.parameters(), self.s.clip)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.sched.step()
+        return value
 
 
 def train(
@@ -191,11 +246,10 @@ def train(
         raise RuntimeError("distributed=True needs an initialised process group of more than one process")
     ckpt_dir = Path(ckpt_dir)
     model.to(dev)
-    loader = make_loader(data, s.batch_size, workers=s.workers, pin_memory=dev.type == "cuda")
+    pinned = dev.type == "cuda"  # pinned host batches: asynchronous (non_blocking) copies to the GPU
+    loader = make_loader(data, s.batch_size, workers=s.workers, pin_memory=pinned)
     steps_per_epoch = max(1, -(-len(data) // s.batch_size))
     opt, sched = make_optimizer(model, s, steps_per_epoch)
-    scaler = torch.amp.GradScaler("cuda", enabled=s.amp and dev.type == "cuda")
-    autocast = s.amp and dev.type == "cuda"
     start_epoch, step, best, best_epoch, history = 0, 0, float("-inf"), -1, []
     last = ckpt_dir / "last.pt"
     if last.exists():
@@ -221,46 +275,33 @@ def train(
             best = _validate_start(model, validate, ckpt_dir, s, arch, vocab_digest, rank, world)
             if best > float("-inf"):
                 best_epoch = -1
-    fn = loss_fn or (lambda m, b: _xe_step(m, b, s))
     wrapped = None
     if world > 1:  # DDP broadcasts rank 0's weights here and averages the gradients in backward
         dist_fn = loss_fn or (lambda m, b: _xe_sum_step(m, b, s))
         wrapped = DistributedDataParallel(_LossModule(model, dist_fn),
                                           device_ids=[dev.index] if dev.type == "cuda" else None)
+    runner = StepRunner(model, opt, sched, s, dev, loss_fn=loss_fn, wrapped=wrapped, rank=rank, world=world)
     epoch = start_epoch - 1
     for epoch in range(start_epoch, s.epochs):
         model.train()
         data.set_epoch(epoch)
-        t0, seen, total = time.perf_counter(), 0, 0.0
+        t0, seen = time.perf_counter(), 0
+        # sum over the epoch of (batch mean loss x images), float64 on the device: read every log_every steps
+        total = torch.zeros((), dtype=torch.float64, device=dev)
         bar = tqdm(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{s.epochs}",
                    disable=not progress or rank != 0, leave=False)
         for batch in bar:
-            batch = batch.to(dev, non_blocking=True)
-            if wrapped is None:
-                with torch.autocast(dev.type, enabled=autocast):
-                    loss = fn(model, batch)
-                if isinstance(loss, tuple | list):
-                    loss = loss[0] / torch.as_tensor(loss[1], device=loss[0].device).clamp(min=1)
-            else:
-                loss, value = _dist_loss(wrapped, batch, rank, world, autocast)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            if s.clip:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_value_(model.parameters(), s.clip)
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
+            batch = batch.to(dev, non_blocking=pinned)
+            value = runner(batch)
             step += 1
-            if wrapped is None:
-                value = float(loss.detach())
             seen += len(batch)
             total += value * len(batch)
-            bar.set_postfix(loss=f"{value:.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
+            if s.log_every and step % s.log_every == 0:
+                bar.set_postfix(loss=f"{float(total) / seen:.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
             if stop_after_steps is not None and step >= stop_after_steps:
                 raise KeyboardInterrupt(f"stopped after {step} steps (test hook)")
-        metrics: dict[str, Any] = {"epoch": epoch, "loss": total / max(seen, 1), "lr": sched.get_last_lr()[0],
-                                   "seconds": time.perf_counter() - t0}
+        metrics: dict[str, Any] = {"epoch": epoch, "loss": float(total) / max(seen, 1),
+                                   "lr": sched.get_last_lr()[0], "seconds": time.perf_counter() - t0}
         if validate is not None and rank == 0:
             model.eval()
             metrics.update(validate(model))
