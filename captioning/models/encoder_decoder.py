@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioning.models import static_cache
 from captioning.models.layers import BoxGeometry, FeedForward, GeometryBias, MultiHeadAttention, sinusoid_table
 
 PAD = 0
@@ -107,18 +108,46 @@ class Memory:
 
 @dataclass
 class DecoderCache:
-    """Per decoder layer: {"self": {...}, "cross": {...}} states; ``length`` = decoder positions fed so far."""
+    """Per decoder layer: {"self": {...}, "cross": {...}} states; ``length`` = decoder positions fed so far.
+
+    Growing (default): the self-attention states grow by concatenation every step. Static (``max_len`` set, see
+    :mod:`captioning.models.static_cache`): every layer's self states live in buffers of ``max_len`` positions
+    allocated at the first step and written in place at the positions ``pos`` (a 0-d long device tensor, the
+    device-side twin of ``length``) onwards; the batch size is fixed by the first step and ``reorder`` copies
+    rows within the same buffers, so the storage never changes (what a CUDA graph needs)."""
 
     layers: list[dict[str, dict[str, Any]]] = field(default_factory=list)
     length: int = 0
+    max_len: int | None = None  # static: preallocated positions
+    pos: torch.Tensor | None = None  # static: positions fed so far, on the device
 
-    def reorder(self, idx: torch.Tensor) -> None:
-        """Keep batch rows ``idx`` (beam search)."""
+    @property
+    def static(self) -> bool:
+        return self.max_len is not None
+
+    def reorder(self, idx: torch.Tensor, cross: bool = True) -> None:
+        """Keep batch rows ``idx`` (beam search). ``cross=False`` leaves the cross-attention states alone (when
+        every new row comes from a row of the same image, whose memory states are identical)."""
+        seen: set[int] = set()
         for layer in self.layers:
-            for part in layer.values():
+            for name, part in layer.items():
+                if name == "cross" and not cross:
+                    continue
                 for k, v in part.items():
-                    if isinstance(v, torch.Tensor):
+                    if not isinstance(v, torch.Tensor) or k in static_cache.META:
+                        continue
+                    if not self.static:
                         part[k] = v.index_select(0, idx)
+                    elif id(v) not in seen:  # in place; a buffer shared by two names (Share-kV) moves once
+                        seen.add(id(v))
+                        v.copy_(v.index_select(0, idx))
+
+    def reset(self) -> None:
+        """Static cache: start a new caption in the same buffers (keeps the cross states: see prime_cache)."""
+        if not self.static:
+            raise ValueError("only a static cache can be reset; make a new growing cache instead")
+        self.length = 0
+        self.pos.zero_()
 
 
 # ---------------------------------------------------------------------- layers
@@ -341,8 +370,38 @@ class Captioner(nn.Module):
             memory = memory.repeat(inputs.shape[0] // memory.states.shape[0])
         return self._decode(memory, inputs, 0, None)
 
-    def new_cache(self) -> DecoderCache:
-        return DecoderCache(layers=[{} for _ in self.decoder.map])
+    def new_cache(self, static: bool = False, max_len: int | None = None, device=None) -> DecoderCache:
+        """A growing cache, or with ``static=True`` a static one of ``max_len`` positions (default the model's
+        ``cfg.max_len``) whose position counter lives on ``device`` (see :class:`DecoderCache`)."""
+        if not static:
+            return DecoderCache(layers=[{} for _ in self.decoder.map])
+        size = self.cfg.max_len if max_len is None else int(max_len)
+        if not 1 <= size <= self.cfg.max_len:
+            raise ValueError(f"a static cache holds 1..{self.cfg.max_len} positions (the model's max_len), "
+                             f"not {size}")
+        return DecoderCache(layers=[{"self": {static_cache.SIZE: size}} for _ in self.decoder.map], max_len=size,
+                            pos=torch.zeros((), dtype=torch.long, device=device))
+
+    def prime_cache(self, memory: Memory, cache: DecoderCache, in_place: bool = False) -> None:
+        """Compute the cross-attention keys/values of ``memory`` now (a cache otherwise computes them at its first
+        step), into the tensors already there when their shapes match (what a captured step reads; with
+        ``in_place=True`` anything else is an error)."""
+        for pos, lid in enumerate(self.decoder.map):
+            cross = self.decoder.layers[lid].cross
+            if not isinstance(cross, MultiHeadAttention):
+                continue
+            k, v = cross.project_kv(memory.states)
+            part = cache.layers[pos].setdefault("cross", {})
+            old_k, old_v = part.get("k"), part.get("v")
+            if (old_k is not None and old_k.shape == k.shape and old_k.dtype == k.dtype
+                    and old_v.shape == v.shape and (old_v is old_k) == (v is k)):
+                old_k.copy_(k)
+                if v is not k:
+                    old_v.copy_(v)
+            elif in_place:
+                raise ValueError(f"cross states {tuple(k.shape)} {k.dtype} do not fit the cache's tensors")
+            else:
+                part["k"], part["v"] = k, v
 
     def decode_step(self, memory: Memory, tokens: torch.Tensor, cache: DecoderCache | None,
                     prefix: torch.Tensor | None = None) -> torch.Tensor:
@@ -355,9 +414,35 @@ class Captioner(nn.Module):
             return self._decode(memory, full, 0, None)[:, -tokens.shape[1] :]
         if cache.length % self.group_size or tokens.shape[1] % self.group_size:
             raise ValueError(f"cached decoding feeds whole groups of {self.group_size} tokens")
-        out = self._decode(memory, tokens, cache.length, cache.layers)
+        if cache.static:
+            if cache.length + tokens.shape[1] > cache.max_len:
+                raise ValueError(f"decoder position {cache.length + tokens.shape[1]} exceeds the static cache's "
+                                 f"{cache.max_len} positions")
+            out = self._decode_static(memory, tokens, cache)
+        else:
+            out = self._decode(memory, tokens, cache.length, cache.layers)
         cache.length += tokens.shape[1]
         return out
+
+    def _decode_static(self, memory: Memory, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """One step with a static cache: the same numbers as ``_decode`` with a growing cache, but every shape is
+        fixed and the positions come from ``cache.pos`` on the device (no host value), so the step can be
+        captured in a CUDA graph. Keys beyond the new positions' groups are masked out."""
+        t = tokens.shape[1]
+        idx = cache.pos + torch.arange(t, device=tokens.device)  # positions written by this step
+        d = self.cfg.d_model
+        if self.cfg.pos_enc == "learned":
+            x = self.embed_drop(self.embed(tokens)) * math.sqrt(d) + self.pos(idx)
+        else:
+            x = self.embed_drop(self.embed(tokens) * math.sqrt(d) + self.pe.index_select(0, idx))
+        k = self.group_size
+        j = torch.arange(cache.max_len, device=tokens.device)
+        mask = (j[None, :] < (torch.div(idx, k, rounding_mode="floor") + 1)[:, None] * k)[None, None]
+        for layer in cache.layers:
+            layer["self"][static_cache.INDEX] = idx
+        h = self.decoder.run(x, lambda pos, layer, y: layer(y, memory, mask, cache.layers[pos]))
+        cache.pos.add_(t)
+        return torch.log_softmax(self.generator(h).float(), dim=-1)
 
     def start_tokens(self, batch: int, device=None) -> torch.Tensor:
         return torch.full((batch, self.group_size), self.bos, dtype=torch.long, device=device)

@@ -29,6 +29,10 @@ computes the new groups' forward over all visible keys and the new tokens' backw
 This is exact as long as an old position's visible key set never grows, i.e. rows of the mask of positions
 already fed never see positions fed later - true for the causal mask and for the relaxed mask when every step
 feeds whole groups (the skeleton's ``decode_step`` feeds K tokens per step).
+
+With a static cache (:mod:`captioning.models.static_cache`) the same seven states live in buffers of the
+cache's preallocated positions, written in place; the mask (over every preallocated position) gives positions
+not fed yet zero weight in both the forward and the backward, so the numbers are those of the growing cache.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from captioning.models import static_cache
 
 DEFAULT_EPS = 1e-4
 
@@ -137,8 +143,12 @@ class DynamicExpansion(nn.Module):
             "vb": self.val_b(x),
         }
         new["qk"] = new["k"] @ self.queries.t() * scale  # (B, Tq, N): Q_D[n] . k_j / sqrt(d)
+        static = static_cache.is_static(cache)
         past = cache is not None and "k" in cache
-        full = {name: torch.cat([cache[name], t], 1) if past else t for name, t in new.items()}
+        if static:  # preallocated positions written in place; later positions are masked out
+            full = {name: static_cache.write(cache, name, t, 1) for name, t in new.items()}
+        else:
+            full = {name: torch.cat([cache[name], t], 1) if past else t for name, t in new.items()}
         tk = full["k"].shape[1]
         m = self._mask(self_mask, tq, tk, x.device)  # (Bm, Tq, Tk)
 
@@ -154,7 +164,10 @@ class DynamicExpansion(nn.Module):
         new["fa"] = fwd(F.relu(z), full["va"])
         new["fb"] = fwd(F.relu(-z), full["vb"])
         for name in ("fa", "fb"):
-            full[name] = torch.cat([cache[name], new[name]], 1) if past else new[name]
+            if static:
+                full[name] = static_cache.write(cache, name, new[name], 1)
+            else:
+                full[name] = torch.cat([cache[name], new[name]], 1) if past else new[name]
 
         # backward of the new tokens over all visible groups: weight of (t', n) for token i is Z[t', n, i]
         zb = (new["k"] @ full["c"].transpose(1, 2) * scale)[:, :, :, None] + new["qk"][:, :, None, :]  # (B,Tq,Tk,N)
@@ -167,6 +180,6 @@ class DynamicExpansion(nn.Module):
         ya = bwd(F.relu(zb), full["fa"])
         yb = bwd(F.relu(-zb), full["fb"])
         s = torch.sigmoid(self.select(x))
-        if cache is not None:
+        if cache is not None and not static:
             cache.update({name: full[name] for name in _CACHED})
         return s * ya + (1 - s) * yb

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioning.models import static_cache
+
 
 class MultiHeadAttention(nn.Module):
     def __init__(
@@ -110,7 +112,10 @@ class MultiHeadAttention(nn.Module):
             k, v = cache["k"], cache["v"]
         else:
             k, v = self.project_kv(key)
-            if cache is not None:
+            if static_cache.is_static(cache):  # preallocated positions, written in place (see static_cache)
+                k = static_cache.write(cache, "k", k, 2)
+                v = k if self.share == "kv" else static_cache.write(cache, "v", v, 2)
+            elif cache is not None:
                 if kind == "self" and "k" in cache:
                     k = torch.cat([cache["k"], k], dim=2)
                     v = k if self.share == "kv" else torch.cat([cache["v"], v], dim=2)
