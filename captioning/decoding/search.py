@@ -20,10 +20,22 @@ prefix each step (``decode_step(memory, tokens, None, prefix=...)``, the O(t^2) 
 
 The public functions run under ``torch.inference_mode`` and return ordinary tensors (cloned outside inference
 mode), so that e.g. SCST can use ``token_logprobs`` / ``lengths`` in autograd expressions.
+
+Greedy and beam search have two cached engines with the same results (tests hold them equal):
+- eager (the reference, and the default on CPU): a growing cache; finished greedy rows leave the batch;
+- static (``static_cache=True``): a static cache (:mod:`captioning.models.static_cache`) with the rows fixed
+  for the whole search (finished greedy rows keep decoding, their outputs ignored; beam search expands the
+  memory to B*beam rows before step 0, whose other copies are ignored) and reorders in place; it reads "all
+  finished" from the device only every :data:`CHECK_EVERY` steps, so a step needs no host sync. With
+  ``graphs=True`` each step (and each beam reorder) is a replayed CUDA graph (:mod:`captioning.decoding.
+  graphs`). ``graphs=None`` (auto) picks graphs when the memory is on a CUDA device, the cache is used and the
+  model has no active dropout (eval mode), falling back to eager with a warning if capturing fails.
+Sampling always runs eager (its random draws depend on which rows are still open).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +45,7 @@ from captioning.data import text
 
 PAD = text.PAD
 _UNK_WORD = text.UNK_WORD
+CHECK_EVERY = 4  # static engine: steps between host reads of "every caption finished"
 
 
 @dataclass
@@ -72,11 +85,82 @@ class _Stepper:
         """Keep rows ``idx`` (flat indices into the current rows). ``memory=False`` when every new row comes
         from a row of the same image (beam parents), whose memory rows are already identical."""
         if self.cache is not None:
-            self.cache.reorder(idx)
+            self.cache.reorder(idx, cross=memory)
         elif self.prefix is not None:
             self.prefix = self.prefix.index_select(0, idx)
         if memory:
             self.memory = self.memory.select(idx)
+
+
+class _StaticStepper:
+    """Static cache, rows fixed for the whole search; each step eager or a replayed CUDA graph."""
+
+    def __init__(self, model, memory, positions: int, graphs: bool):
+        self.graph = None
+        if graphs:
+            from captioning.decoding import graphs as cuda_graphs
+
+            self.graph = cuda_graphs.graph_step(model, memory, positions)
+        else:
+            self.model = model
+            self.memory = memory
+            self.cache = model.new_cache(static=True, max_len=positions, device=memory.states.device)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:
+            return self.graph.step(tokens)
+        return self.model.decode_step(self.memory, tokens, self.cache)
+
+    def reorder(self, idx: torch.Tensor, memory: bool = False) -> None:
+        """Keep rows ``idx``, every one a row of the same image (the memory is not reordered)."""
+        if memory:
+            raise ValueError("the static engine keeps its memory rows: reorder only within an image's rows")
+        if self.graph is not None:
+            self.graph.reorder(idx)
+        else:
+            self.cache.reorder(idx, cross=False)
+
+
+def _dropout_active(model) -> bool:
+    if isinstance(model, torch.nn.Module):
+        return any(isinstance(m, torch.nn.Dropout) and m.training and m.p > 0 for m in model.modules())
+    return bool(getattr(model, "training", False))
+
+
+def _engine(model, memory, use_cache: bool, static_cache: bool | None, graphs: bool | None) -> tuple[bool, bool]:
+    """-> (static cache, CUDA graphs) for the options (None = auto)."""
+    if graphs is None:
+        from captioning.decoding import graphs as cuda_graphs
+
+        graphs = (use_cache and static_cache is not False and memory.states.is_cuda and cuda_graphs.available()
+                  and not _dropout_active(model) and not cuda_graphs.failed(model))
+    elif graphs:
+        if not use_cache or static_cache is False:
+            raise ValueError("CUDA graphs decode with the static cache (use_cache=True, static_cache not False)")
+        if not memory.states.is_cuda:
+            raise ValueError("CUDA graphs need the memory on a CUDA device")
+        if _dropout_active(model):
+            raise ValueError("graph-captured decoding needs the model in eval mode (no active dropout)")
+    if graphs:
+        return True, True
+    if static_cache and not use_cache:
+        raise ValueError("static_cache=True needs use_cache=True")
+    return bool(static_cache), False
+
+
+def _run_engine(run, model, memory, use_cache: bool, static_cache: bool | None, graphs: bool | None):
+    """``run(static, graphs)`` on the chosen engine; in auto mode a failed capture falls back to eager."""
+    static, use_graphs = _engine(model, memory, use_cache, static_cache, graphs)
+    if not use_graphs or graphs is not None:
+        return run(static, use_graphs)
+    from captioning.decoding import graphs as cuda_graphs
+
+    try:
+        return run(True, True)
+    except RuntimeError as e:  # a model whose step cannot be captured: decode eagerly from now on
+        cuda_graphs.mark_failed(model)
+        warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly", RuntimeWarning, stacklevel=3)
+        return run(bool(static_cache), False)
 
 
 def _steps(model, max_len: int) -> tuple[int, int]:
@@ -148,6 +232,39 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
     return toks[:, :width], tlp[:, :width], lengths
 
 
+def _greedy_static(model, memory, max_len: int, graphs: bool) -> tuple[torch.Tensor, ...]:
+    """Greedy on the static engine: every row stays in the batch (finished rows' outputs are ignored) and the
+    host checks "all finished" every CHECK_EVERY steps. Same results as ``_rowwise`` with arg-max."""
+    max_len, steps = _steps(model, max_len)
+    k, eos = int(model.group_size), int(model.eos)
+    n = memory.states.shape[0]
+    dev = memory.states.device
+    toks = torch.full((n, steps * k), PAD, dtype=torch.long, device=dev)
+    tlp = torch.zeros(n, steps * k, dtype=torch.float32, device=dev)
+    lengths = torch.zeros(n, dtype=torch.long, device=dev)
+    done = torch.zeros(n, dtype=torch.bool, device=dev)
+    offs = torch.arange(k, device=dev)
+    stepper = _StaticStepper(model, memory, steps * k, graphs)
+    inp = model.start_tokens(n, device=dev)
+    for s in range(steps):
+        logp = _mask_specials(model, stepper.step(inp).float())  # (N, K, V)
+        tok = logp.argmax(-1)
+        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        is_eos = tok == eos
+        keep = ((is_eos.cumsum(1) - is_eos.long()) == 0) & (offs < max_len - s * k)[None] & ~done[:, None]
+        toks[:, s * k : (s + 1) * k] = torch.where(keep, tok, PAD)
+        tlp[:, s * k : (s + 1) * k] = torch.where(keep, lp, 0.0)
+        lengths += keep.sum(1)
+        if (s + 1) * k >= max_len:
+            break
+        done |= (is_eos & keep).any(1)
+        if (s + 1) % CHECK_EVERY == 0 and bool(done.all()):
+            break
+        inp = tok
+    width = max(int(lengths.max()) if n else 1, 1)
+    return toks[:, :width], tlp[:, :width], lengths
+
+
 def _pack(toks, tlp, lengths, b: int, per: int) -> Decoded:
     return Decoded(
         tokens=toks.view(b, per, -1),
@@ -157,11 +274,19 @@ def _pack(toks, tlp, lengths, b: int, per: int) -> Decoded:
     )
 
 
-def greedy(model, memory, max_len: int = 16, use_cache: bool = True) -> Decoded:
-    """Greedy decoding: each step takes the arg-max at each of its K positions (n = 1)."""
+def greedy(model, memory, max_len: int = 16, use_cache: bool = True, static_cache: bool | None = None,
+           graphs: bool | None = None) -> Decoded:
+    """Greedy decoding: each step takes the arg-max at each of its K positions (n = 1). ``static_cache`` /
+    ``graphs``: the engine (see the module's doc; ``graphs=None`` = CUDA graphs on CUDA in eval mode)."""
+
+    def run(static: bool, use_graphs: bool):
+        if static:
+            return _greedy_static(model, memory, max_len, use_graphs)
+        return _rowwise(model, memory, max_len, use_cache, lambda lp: lp.argmax(-1))
+
     with torch.inference_mode():
         b = memory.states.shape[0]
-        toks, tlp, lengths = _rowwise(model, memory, max_len, use_cache, lambda lp: lp.argmax(-1))
+        toks, tlp, lengths = _run_engine(run, model, memory, use_cache, static_cache, graphs)
         out = _pack(toks, tlp, lengths, b, 1)
     return _outside_inference(out)
 
@@ -194,7 +319,7 @@ def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.
 
 # ---------------------------------------------------------------------- beam search
 def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty: float = 0.0, n_best: int = 1,
-                use_cache: bool = True) -> Decoded:
+                use_cache: bool = True, static_cache: bool | None = None, graphs: bool | None = None) -> Decoded:
     """Group-aware beam search; returns the ``n_best`` best hypotheses per image, best first.
 
     Scores are sums of token log-probs (no length normalisation by default). Inside a group the K positions
@@ -212,19 +337,26 @@ def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty:
     ``score / length**alpha`` with length in output tokens incl. EOS (simple normalisation, not GNMT's
     ((5+len)/6)**alpha). Open hypotheses all have the same length at a given position, so alpha only changes
     how finished hypotheses compare with open ones and with each other. The returned ``logprobs`` stay the raw
-    sums. With alpha = 0 the search stops for an image as soon as its ``n_best`` best slots are finished
+    sums. With alpha = 0 the search stops as soon as every image's ``n_best`` best slots are finished
     (scores can only fall, so nothing can overtake them); otherwise when every slot is finished or at max_len.
+    (The static engine looks every CHECK_EVERY steps; the extra steps only append PAD to finished slots.)
+    ``static_cache`` / ``graphs``: the engine (see the module's doc).
     """
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best must be in 1..beam ({beam}), got {n_best}")
+
+    def run(static: bool, use_graphs: bool) -> Decoded:
+        return _beam(model, memory, beam, max_len, float(length_penalty), n_best, use_cache, static, use_graphs)
+
     with torch.inference_mode():
-        out = _beam(model, memory, beam, max_len, float(length_penalty), n_best, use_cache)
+        out = _run_engine(run, model, memory, use_cache, static_cache, graphs)
     return _outside_inference(out)
 
 
-def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_cache: bool) -> Decoded:
+def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_cache: bool, static: bool = False,
+          graphs: bool = False) -> Decoded:
     max_len, steps = _steps(model, max_len)
     k, eos = int(model.group_size), int(model.eos)
     b = memory.states.shape[0]
@@ -237,10 +369,16 @@ def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_ca
     lengths = torch.zeros(b, w, dtype=torch.long, device=dev)
     toks = torch.full((b, w, steps * k), PAD, dtype=torch.long, device=dev)
     tlp = torch.zeros(b, w, steps * k, dtype=torch.float32, device=dev)
-    # the row (of the current step's batch) that holds each slot's state: B rows at step 0, then B*w
-    row = torch.arange(b, device=dev)[:, None].expand(b, w)
-    stepper = _Stepper(model, memory, use_cache)
-    inp = model.start_tokens(b, device=dev)
+    # the row (of the current step's batch) that holds each slot's state: B rows at step 0, then B*w (static
+    # engine: B*w rows from the start, step 0 reading the first copy of each image)
+    if static:
+        row = (torch.arange(b, device=dev) * w)[:, None].expand(b, w)
+        stepper = _StaticStepper(model, memory.repeat(w), steps * k, graphs)
+        inp = model.start_tokens(b * w, device=dev)
+    else:
+        row = torch.arange(b, device=dev)[:, None].expand(b, w)
+        stepper = _Stepper(model, memory, use_cache)
+        inp = model.start_tokens(b, device=dev)
 
     for s in range(steps):
         logp = _mask_specials(model, stepper.step(inp).float())  # (R, K, V)
@@ -276,14 +414,15 @@ def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_ca
             parent = parent.gather(1, src)
         if (s + 1) * k >= max_len:
             break
-        if alpha:
-            done = bool(fin.all())
-        else:  # slots are sorted by score; nothing open can overtake finished slots above it
-            done = bool(fin[:, :n_best].all())
-        if done:
-            break
+        if not static or (s + 1) % CHECK_EVERY == 0:
+            if alpha:
+                done = bool(fin.all())
+            else:  # slots are sorted by score; nothing open can overtake finished slots above it
+                done = bool(fin[:, :n_best].all())
+            if done:
+                break
         # parents are rows of the same image: memory rows are identical, only the first expansion selects them
-        stepper.reorder(parent.reshape(-1), memory=s == 0)
+        stepper.reorder(parent.reshape(-1), memory=s == 0 and not static)
         row = torch.arange(b * w, device=dev).view(b, w)
         inp = toks[:, :, s * k : (s + 1) * k].reshape(b * w, k)
 

@@ -1,0 +1,158 @@
+"""CUDA-graph-captured decoder steps for greedy and beam search (the host loop stays in ``search.py``).
+
+On a GPU a decoder step of these models is launch-bound: a few hundred small kernels whose launches cost far
+more than their arithmetic. :class:`GraphStep` captures one ``model.decode_step`` (every decoder layer, the
+generator and the log-softmax) into a ``torch.cuda.CUDAGraph`` over a static cache
+(:mod:`captioning.models.static_cache`) and replays it: one launch per step.
+
+A graph is tied to its shapes and storage: the number of rows, the memory's regions (padded to a multiple of
+:data:`REGION_BUCKET` with masked regions, so adaptive region counts share graphs), the cache's positions, the
+memory dtype and the autocast state. Static inputs (the step's tokens, the memory states and mask, the cross
+keys/values, the position counter) are copied into before a caption, the step's output is one static tensor
+(overwritten by the next replay: read it before). Inside the captured step there is no host value and no
+host-side control flow depending on the data: positions come from the cache's device counter, which the graph
+itself advances. Beam search's row reordering (an ``index_select`` into the same buffers) is captured too.
+
+Graphs are kept per model (weakly; at most :data:`MAX_GRAPHS`, least recently used first out) and dropped when
+the model's parameters or buffers move (``.to()``, ``.half()``): in-place updates (an optimizer step,
+``load_state_dict``) are seen by the replays, as the graph reads the parameters' storage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from captioning.models.encoder_decoder import Memory
+
+REGION_BUCKET = 12  # fixed-36 features need no padding; adaptive 10..100 regions give 9 shapes
+MAX_GRAPHS = 8  # per model
+WARMUP = 2  # eager steps on a side stream before capture
+
+_STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"fingerprint", "graphs"}
+_FAILED: weakref.WeakSet = weakref.WeakSet()  # models whose step could not be captured (auto mode: eager)
+
+
+def available() -> bool:
+    return torch.cuda.is_available()
+
+
+def failed(model) -> bool:
+    return model in _FAILED
+
+
+def mark_failed(model) -> None:
+    _FAILED.add(model)
+    forget(model)
+
+
+def _fingerprint(model) -> tuple:
+    if not isinstance(model, torch.nn.Module):
+        return ()
+    return tuple((t.data_ptr(), t.dtype) for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    if not torch.is_autocast_enabled(device.type):
+        return (False,)
+    return True, torch.get_autocast_dtype(device.type)
+
+
+class GraphStep:
+    """One captured decoder step for ``rows`` rows, ``regions`` memory regions and ``positions`` positions."""
+
+    def __init__(self, model, rows: int, regions: int, d_memory: int, dtype: torch.dtype, positions: int,
+                 device: torch.device):
+        self.model = model
+        self.rows, self.regions, self.positions = rows, regions, positions
+        self.device = device
+        k = int(model.group_size)
+        self.memory = Memory(torch.zeros(rows, regions, d_memory, dtype=dtype, device=device),
+                             torch.zeros(rows, regions, dtype=torch.bool, device=device))
+        self.memory.mask[:, 0] = True  # capture-time content only; every caption copies its memory in
+        self.tokens = model.start_tokens(rows, device=device)
+        self.order = torch.arange(rows, device=device)  # beam search: rows to keep
+        self.cache = model.new_cache(static=True, max_len=positions, device=device)
+        if positions < k:
+            raise ValueError(f"{positions} positions cannot hold one group of {k}")
+
+        # one eager step on the current stream allocates the static buffers (and the cross states) there
+        model.prime_cache(self.memory, self.cache)
+        model.decode_step(self.memory, self.tokens, self.cache)
+        self.cache.reorder(self.order, cross=False)
+        # warm-up on a side stream, so that lazy initialisation (library handles, workspaces) is not captured
+        main = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                self.cache.reset()
+                model.decode_step(self.memory, self.tokens, self.cache)
+                self.cache.reorder(self.order, cross=False)
+        main.wait_stream(side)
+        self.cache.reset()
+        self.step_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.step_graph):
+            self.out = model.decode_step(self.memory, self.tokens, self.cache)
+        self.reorder_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.reorder_graph):
+            self.cache.reorder(self.order, cross=False)
+        self.cache.reset()  # the capture ran the host code (length) but no kernel
+        self.length = 0
+
+    def start(self, memory: Memory) -> None:
+        """A new caption (batch) for ``memory`` (rows x at most ``regions`` regions)."""
+        r = memory.states.shape[1]
+        self.memory.states[:, :r].copy_(memory.states)
+        self.memory.mask[:, :r].copy_(memory.mask)
+        if r < self.regions:
+            self.memory.states[:, r:].zero_()
+            self.memory.mask[:, r:] = False
+        self.model.prime_cache(self.memory, self.cache, in_place=True)
+        self.cache.reset()
+        self.length = 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` (rows, t); returns the static output (rows, t, V), valid until the next step."""
+        if self.length + tokens.shape[1] > self.positions:
+            raise ValueError(f"decoder position {self.length + tokens.shape[1]} exceeds the graph's "
+                             f"{self.positions} positions")
+        self.tokens.copy_(tokens)
+        self.step_graph.replay()
+        self.length += tokens.shape[1]
+        return self.out
+
+    def reorder(self, idx: torch.Tensor) -> None:
+        self.order.copy_(idx)
+        self.reorder_graph.replay()
+
+
+def graph_step(model, memory: Memory, positions: int) -> GraphStep:
+    """The captured step for ``model`` and ``memory``'s shapes (captured on first use), started on ``memory``."""
+    states = memory.states
+    device = states.device
+    rows, r, d = states.shape
+    regions = -(-r // REGION_BUCKET) * REGION_BUCKET
+    entry = _STORE.get(model)
+    fp = _fingerprint(model)
+    if entry is None or entry["fingerprint"] != fp:
+        entry = _STORE[model] = {"fingerprint": fp, "graphs": OrderedDict()}
+    key = (rows, regions, d, states.dtype, positions, str(device), _autocast_state(device))
+    graphs = entry["graphs"]
+    runner = graphs.get(key)
+    if runner is None:
+        runner = GraphStep(model, rows, regions, d, states.dtype, positions, device)
+        graphs[key] = runner
+        while len(graphs) > MAX_GRAPHS:
+            graphs.popitem(last=False)
+    graphs.move_to_end(key)
+    runner.start(memory)
+    return runner
+
+
+def forget(model) -> None:
+    """Drop ``model``'s captured graphs (and their memory)."""
+    _STORE.pop(model, None)
