@@ -1,13 +1,171 @@
-import subprocess, sys
-s = subprocess.run(["git", "show", "HEAD:captioning/models/layers.py"], capture_output=True, text=True, check=True).stdout
-old='''            k, v = self.project_kv(key)
-            if cache is not None:
-                if kind == "self" and "k" in cache:
-                    k = torch.cat([cache["k"], k], dim=2)
-                    v = k if self.share == "kv" else torch.cat([cache["v"], v], dim=2)
-                cache["k"], cache["v"] = k, v
-'''
-new='''            k, v = self.project_kv(key)
+"""Parts of the one encoder-decoder skeleton: attention variants, FFN variants, ORT box geometry.
+
+One attention module covers the papers' variants as options that combine freely:
+- projections: standard (W_Q, W_K, W_V, W_O); Share-kV (V := K, ACORT); Share-QK (K := W_Q x, ACORT);
+- group-wise (LW-Transformer): the input is split into ``groups`` channel groups *before* the projections, one
+  shared set of projections (d/k -> (h/k) * d_qk) serves every group, and the groups' heads are simply heads;
+  ``qk_expand`` widens Q and K per head (1x/2x/3x = 64/128/192 at d=512, h=8); the merge W_O is dense, or
+  shared per group with ``grouped_merge`` (the paper's G-LML);
+- ZoDIAC: GELU before and after the projections, a second query projection Q2, refined attention
+  ``softmax(mask(G(QK^T/sqrt(d))))`` and an intensity gate ``zoneup + phi(mean over valid keys of
+  G(Q2 V^T / sqrt(d)))`` per sample, head and query (never across the batch, and never across query positions,
+  which would let a decoder position see the future);
+- ORT geometry: an additive ``log(max(G, 1e-6))`` per head, from :class:`BoxGeometry`.
+
+Incremental decoding: ``forward(..., cache=...)`` appends the new keys/values to ``cache`` (self-attention) or
+reuses the memory's keys/values computed once (cross-attention), so a step costs O(t).
+
+Fused attention: every variant but ZoDIAC (GELU on the scores) runs through
+``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels on CUDA): standard,
+Share-kV, Share-QK, group-wise (its groups' heads are heads), ``qk_expand`` (scale ``1/sqrt(d_qk)`` given
+explicitly), cross-attention, and ORT's geometry as an additive float mask with -inf where the boolean mask
+forbids. Query rows with nothing to attend to give 0, as in the explicit path. The explicit computation stays
+available as the reference: ``MultiHeadAttention.fused = False`` on a module, or ``with explicit_attention():``
+for every module (tests compare the two; ``capflow bench train`` uses it for its anchor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from captioning.models import static_cache
+
+_FUSED = True  # process-wide switch of explicit_attention()
+
+
+@contextlib.contextmanager
+def explicit_attention(enabled: bool = True) -> Iterator[None]:
+    """Inside the block every :class:`MultiHeadAttention` computes ``softmax(QK^T/sqrt(d)) V`` explicitly instead
+    of through ``scaled_dot_product_attention`` (the reference path; not thread-local)."""
+    global _FUSED
+    before = _FUSED
+    _FUSED = not enabled
+    try:
+        yield
+    finally:
+        _FUSED = before
+
+
+class MultiHeadAttention(nn.Module):
+    fused: bool = True  # scaled_dot_product_attention where the arithmetic allows (not ZoDIAC)
+
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        *,
+        dropout: float = 0.1,
+        share: str | None = None,  # None | "kv" | "qk"
+        groups: int = 1,
+        qk_expand: int = 1,
+        grouped_merge: bool = False,
+        zodiac: bool = False,
+        zodiac_gate: str = "sigmoid",
+        zodiac_dropout: float = 0.2,
+        zoneup: float = 1.0,
+    ):
+        super().__init__()
+        if share not in (None, "kv", "qk"):
+            raise ValueError(f"unknown attention sharing {share!r}")
+        if d_model % groups or heads % groups:
+            raise ValueError(f"d_model {d_model} and heads {heads} must be divisible by groups {groups}")
+        self.d, self.h, self.k = d_model, heads, groups
+        self.share = share
+        self.zodiac = zodiac
+        self.hg = heads // groups  # heads per group
+        self.d_v = d_model // heads
+        self.d_qk = self.d_v * qk_expand
+        d_in = d_model // groups
+        self.q = nn.Linear(d_in, self.hg * self.d_qk)
+        if share != "qk":
+            self.k_proj = nn.Linear(d_in, self.hg * self.d_qk)
+        if share != "kv":
+            self.v = nn.Linear(d_in, self.hg * self.d_v)
+        elif qk_expand != 1:
+            raise ValueError("Share-kV needs equal Q/K and V widths (qk_expand=1)")
+        if zodiac:
+            self.q2 = nn.Linear(d_in, self.hg * self.d_qk)
+            if self.d_qk != self.d_v:
+                raise ValueError("ZoDIAC intensity needs equal Q and V widths (qk_expand=1)")
+            self.gate = torch.sigmoid if zodiac_gate == "sigmoid" else torch.tanh
+            self.zoneup = zoneup
+            self.z_drop = nn.Dropout(zodiac_dropout)
+        self.grouped_merge = grouped_merge
+        self.o = nn.Linear(d_model // groups, d_model // groups) if grouped_merge else nn.Linear(d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    # ------------------------------------------------------------------ projections
+    def _split(self, x: torch.Tensor, proj: nn.Linear, width: int) -> torch.Tensor:
+        """(B, T, d) -> (B, h, T, width): groups before the projection, heads after."""
+        b, t, _ = x.shape
+        if self.zodiac:
+            x = F.gelu(x)
+        y = proj(x.view(b, t, self.k, self.d // self.k))  # (B, T, k, hg*width)
+        if self.zodiac:
+            y = F.gelu(y)
+        return y.view(b, t, self.k, self.hg, width).permute(0, 2, 3, 1, 4).reshape(b, self.h, t, width)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.share == "qk":
+            k = self._split(x, self.q, self.d_qk)
+        else:
+            k = self._split(x, self.k_proj, self.d_qk)
+        v = k if self.share == "kv" else self._split(x, self.v, self.d_v)
+        return k, v
+
+    def _fused_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d_qk) + bias, masked) v through ``F.scaled_dot_product_attention``; (B, h, Tq, d_v).
+
+        A query row whose mask is all False would get NaN from SDPA (and NaN gradients): such rows attend to
+        every key instead and their output is set to 0 afterwards (no gradient flows through them), which is
+        what the explicit path gives. On CPUs the math backend is used: the CPU flash kernel's blocked softmax
+        rounds a one-position cached step differently from the full recomputation (by up to ~1e-5 on the log-probs
+        after a few layers), the math backend like the explicit path."""
+        empty = None
+        if mask is not None:
+            empty = ~mask.any(-1, keepdim=True)  # (..., Tq, 1)
+            mask = mask | empty
+        attn_mask = mask
+        if bias is not None:
+            attn_mask = bias.to(q.dtype)
+            if mask is not None:
+                attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
+        with sdpa_kernel(SDPBackend.MATH) if q.device.type == "cpu" else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                 dropout_p=self.drop.p if self.training else 0.0,
+                                                 scale=1.0 / math.sqrt(self.d_qk))
+        if empty is not None:
+            out = out.masked_fill(empty, 0.0)
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        *,
+        bias: torch.Tensor | None = None,
+        cache: dict[str, Any] | None = None,
+        kind: str = "self",
+    ) -> torch.Tensor:
+        """query (B, Tq, d); key (B, Tk, d) or None with a filled cross cache; mask broadcastable to
+        (B, h, Tq, Tk), True = may attend; bias (B, h, Tq, Tk) added to the logits (geometry)."""
+        b, tq, _ = query.shape
+        q = self._split(query, self.q, self.d_qk)
+        if cache is not None and kind == "cross" and "k" in cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            k, v = self.project_kv(key)
             if static_cache.is_static(cache):  # preallocated positions, written in place (see static_cache)
                 k = static_cache.write(cache, "k", k, 2)
                 v = k if self.share == "kv" else static_cache.write(cache, "v", v, 2)
@@ -16,9 +174,105 @@ new='''            k, v = self.project_kv(key)
                     k = torch.cat([cache["k"], k], dim=2)
                     v = k if self.share == "kv" else torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
-'''
-if s.count(old) != 1: sys.exit("cache block not found in HEAD")
-s = s.replace(old, new)
-old = "from torch import nn\n"
-s = s.replace(old, old + "\nfrom captioning.models import static_cache\n", 1)
-sys.stdout.write(s)
+        if self.fused and _FUSED and not self.zodiac:
+            out = self._fused_attention(q, k, v, mask, bias)
+        else:
+            out = self._explicit_attention(query, q, k, v, mask, bias)
+        # (B, h, Tq, d_v) -> heads back to channels, group-major
+        out = out.transpose(1, 2).reshape(b, tq, self.h * self.d_v)
+        if self.grouped_merge:
+            return self.o(out.view(b, tq, self.k, self.d // self.k)).reshape(b, tq, self.d)
+        return self.o(out)
+
+    def _explicit_attention(self, query: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """The scores materialised: ZoDIAC's refined attention and intensity gate, and the reference path."""
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.d_qk)
+        if self.zodiac:
+            scores = F.gelu(scores)
+        if bias is not None:
+            scores = scores + bias
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        attn = torch.softmax(scores, dim=-1)
+        attn = torch.nan_to_num(attn)  # rows with nothing to attend to (padding queries)
+        if self.zodiac:
+            out = self.z_drop(attn) @ v
+            q2 = self._split(query, self.q2, self.d_qk)
+            inten = F.gelu(q2 @ v.transpose(-1, -2) / math.sqrt(self.d_qk))  # (B, h, Tq, Tk)
+            if mask is not None:
+                valid = mask.expand_as(inten)
+                pooled = (inten * valid).sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+            else:
+                pooled = inten.mean(-1, keepdim=True)
+            out = out * (self.zoneup + self.gate(pooled))
+        else:
+            out = self.drop(attn) @ v
+        return out
+
+
+class FeedForward(nn.Module):
+    """Dense FFN, or LW-Transformer's G-FFN: dense first layer, then one shared W_2' applied per group."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1, groups: int = 1):
+        super().__init__()
+        if d_ff % groups or d_model % groups:
+            raise ValueError(f"d_ff {d_ff} and d_model {d_model} must be divisible by groups {groups}")
+        self.k = groups
+        self.w1 = nn.Linear(d_model, d_ff)
+        self.w2 = nn.Linear(d_ff // groups, d_model // groups)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(F.relu(self.w1(x)))
+        if self.k == 1:
+            return self.w2(h)
+        b, t, f = h.shape
+        return self.w2(h.view(b, t, self.k, f // self.k)).reshape(b, t, -1)
+
+
+class BoxGeometry(nn.Module):
+    """ORT box relations: the 64-d embedding of pairwise box geometry, computed once per forward."""
+
+    def __init__(self, dim: int = 64, wave_len: float = 1000.0, scale: float = 100.0, width_offset: float = 1.0):
+        super().__init__()
+        self.dim, self.wave_len, self.scale, self.width_offset = dim, wave_len, scale, width_offset
+
+    def forward(self, boxes: torch.Tensor) -> torch.Tensor:
+        """boxes (B, R, 4) x1,y1,x2,y2 in [0,1] -> (B, R, R, dim)."""
+        x0, y0, x1, y1 = boxes.float().unbind(-1)
+        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+        w = (x1 - x0) + self.width_offset
+        h = (y1 - y0) + self.width_offset
+        dx = torch.log(torch.clamp((cx[..., :, None] - cx[..., None, :]).abs() / w[..., :, None], min=1e-3))
+        dy = torch.log(torch.clamp((cy[..., :, None] - cy[..., None, :]).abs() / h[..., :, None], min=1e-3))
+        dw = torch.log(w[..., :, None] / w[..., None, :])
+        dh = torch.log(h[..., :, None] / h[..., None, :])
+        delta = torch.stack([dx, dy, dw, dh], -1)  # (B, R, R, 4)
+        n = self.dim // 8
+        omega = self.wave_len ** (-torch.arange(n, device=boxes.device, dtype=torch.float32) / n)
+        arg = (self.scale * delta)[..., None] * omega  # (B, R, R, 4, n)
+        emb = torch.cat([torch.sin(arg), torch.cos(arg)], -1)  # (B, R, R, 4, 2n)
+        return emb.flatten(-2)  # (B, R, R, 8n = dim)
+
+
+class GeometryBias(nn.Module):
+    """Per-layer ORT weights: G^h = ReLU(w_h . E + b_h); returns log(max(G, 1e-6)) as (B, h, R, R)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.w = nn.Linear(dim, heads)
+
+    def forward(self, emb: torch.Tensor) -> torch.Tensor:
+        g = F.relu(self.w(emb))  # (B, R, R, h)
+        return torch.log(torch.clamp(g, min=1e-6)).permute(0, 3, 1, 2)
+
+
+def sinusoid_table(length: int, d: int) -> torch.Tensor:
+    pos = torch.arange(length, dtype=torch.float32)[:, None]
+    i = torch.arange(0, d, 2, dtype=torch.float32)
+    ang = pos / torch.pow(10000.0, i / d)
+    pe = torch.zeros(length, d)
+    pe[:, 0::2] = torch.sin(ang)
+    pe[:, 1::2] = torch.cos(ang[:, : d // 2])
+    return pe
