@@ -2,12 +2,14 @@
 
 A model folder is what the pipeline registers for every student (:func:`captioning.training.checkpoint.
 save_model_dir`): ``model.pt`` (a capflow checkpoint, loaded with ``weights_only=True``), ``vocab.json`` and
-``capflow.json`` (``{"student", "preset", "features", "max_words", "beam", "test_metrics"}``, ``features``
-being the config's ``features`` section). :class:`Captioner` rebuilds from it exactly what produced the
-model's training features - the same :class:`~captioning.features.extractor.RegionExtractor` (detector config,
-weights, proposals, image sizes, box limits) and the same stored precision (float16 features are rounded to
-float16 before the model sees them, as they were in the feature store) - and decodes with the evaluation's
-code (:func:`captioning.metrics.report.predict`: beam search, radix digits -> words).
+``capflow.json`` (``{"student", "preset", "features", "max_words", "beam", "test_metrics"}``, ``features`` being
+the config's ``features`` section; real detector weights are in the folder's ``detector/``, named relative to
+the folder with their sha256 - weights outside the folder or without a digest are refused, and ``.pkl`` weights
+are read without unpickling code, :mod:`captioning.safe_pickle`). :class:`Captioner` rebuilds from it exactly
+what produced the model's training features - the same :class:`~captioning.features.extractor.RegionExtractor`
+(detector config, weights, proposals, image sizes, box limits) and the same stored precision (float16 features
+are rounded to float16 before the model sees them, as they were in the feature store) - and decodes with the
+evaluation's code (:func:`captioning.metrics.report.predict`: beam search, radix digits -> words).
 
 Images go through :func:`~captioning.features.images.load_rgb`; a file that cannot be used (missing,
 unreadable, corrupt, too small, too few regions, non-finite features) becomes a rejection record
@@ -40,7 +42,7 @@ from captioning.metrics.report import predict
 from captioning.models.encoder_decoder import ArchConfig
 from captioning.models.registry import build
 from captioning.training import checkpoint
-from captioning.training.checkpoint import META_FILE, MODEL_FILE, VOCAB_FILE
+from captioning.training.checkpoint import DETECTOR_DIR, META_FILE, MODEL_FILE, VOCAB_FILE
 from captioning.training.recipe import codec_for, max_tokens
 from captioning.util import resolve_device
 
@@ -106,6 +108,34 @@ def read_meta(path: Path) -> tuple[dict[str, Any], FeaturesConfig]:
     return meta, features
 
 
+def detector_weights(files: ModelFiles, features: FeaturesConfig) -> str | None:
+    """The local path of the model folder's detector weights (None: random-weight detector).
+
+    ``features.extractor.weights`` in ``capflow.json`` must name a file inside the folder (symlinks resolved)
+    and ``features.extractor.weights_sha256`` must hold the digest recorded at training time (the file is checked
+    against it before it is read). Anything else - an absolute path, a remote URI, ``..``, no digest - is a
+    CaptionerError: a model folder from elsewhere must not make capflow read files of its choosing.
+    """
+    ex = features.extractor
+    if ex.weights is None:
+        return None
+    where = f"{files.meta}: features.extractor.weights {ex.weights!r}"
+    fix = (f"a model folder holds its detector weights under {DETECTOR_DIR}/ with their sha256 (as the pipeline "
+           "writes it); re-export the model, or copy the weights into the folder and record their sha256")
+    root = files.folder.resolve()
+    if "://" in ex.weights or Path(ex.weights).is_absolute():
+        raise CaptionerError(f"{where} points outside the model folder {files.folder}: {fix}")
+    path = (root / ex.weights).resolve()
+    if not path.is_relative_to(root):
+        raise CaptionerError(f"{where} points outside the model folder {files.folder}: {fix}")
+    if not path.is_file():
+        raise CaptionerError(f"{where}: no such file in the model folder {files.folder}: {fix}")
+    if not (ex.weights_sha256 or "").strip():
+        raise CaptionerError(f"{where}: no weights_sha256 recorded at training time, so the weights cannot be "
+                             f"verified and are not loaded: {fix}")
+    return str(path)
+
+
 class Captioner:
     """A model folder ready to caption image files: region extractor + captioning model + vocabulary.
 
@@ -149,7 +179,8 @@ class Captioner:
                 f"{self.files.meta}: the extractor gives {f.feature_dim}-d region features but the model "
                 f"{self.files.model} takes {self.d_in}-d inputs: the model folder's files do not belong together")
         self.feature_dtype = np.float16 if f.dtype == "float16" else np.float32
-        ex = f.extractor.model_copy(update={"device": str(self.device)})
+        ex = f.extractor.model_copy(update={"device": str(self.device),
+                                            "weights": detector_weights(self.files, f)})
         try:
             self.extractor = RegionExtractor(ex, min_boxes=f.min_boxes, max_boxes=f.max_boxes,
                                              feature_dim=f.feature_dim, cache_dir=cache_dir)
@@ -276,4 +307,5 @@ class Captioner:
                              rejected=[{"file": paths[i], "error": r} for i, r in sorted(failed.items())])
 
 
-__all__ = ["CaptionResult", "Captioner", "CaptionerError", "ModelFiles", "model_files", "read_meta"]
+__all__ = ["CaptionResult", "Captioner", "CaptionerError", "ModelFiles", "detector_weights", "model_files",
+           "read_meta"]

@@ -599,11 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     from captioning.data.karpathy import DatasetError
     from captioning.data.stores import StoreError
+    from captioning.safe_pickle import UnsafePickleError
     from flows.stack import StackError
 
     try:
         return func(args)
-    except (ConfigError, DatasetError, StoreError, StackError, CLIError) as e:
+    except (ConfigError, DatasetError, StoreError, StackError, CLIError, UnsafePickleError) as e:
         print(f"capflow {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

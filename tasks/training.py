@@ -178,7 +178,7 @@ def _student(rc: RunContext, name: str, data, feats, labels, teacher, kd, scst: 
         out / "model", model=model, arch=st["arch"], vocab=labels["vocab_path"],
         features=cfg.features.model_dump(mode="json"), student=name, preset=pname, max_words=cfg.dataset.max_words,
         beam=cfg.evaluation.beam, test_metrics=test, vocab_digest=st["vocab_digest"], epoch=st["epoch"],
-        step=st["step"])
+        step=st["step"], weights_cache_dir=cfg.workdir / "cache" / "weights")  # the extraction's weights cache
     rc.tracker.artifact(run, model_dir, "model")
     test_set = data["digest"]
     version = rc.tracker.register(run, "model", {"student": name, "preset": pname, "test_CIDEr": test.get("CIDEr"),

@@ -30,10 +30,13 @@ captioning; a loud warning says so.
 
 Checkpoints: ``.pth``/``.pt`` files are read with ``torch.load(weights_only=True)`` (a raw state dict, or a
 dict holding it under ``model`` / ``state_dict``). ``.pkl`` files (detectron2 model-zoo or Caffe2-converted
-format) go through detectron2's own ``DetectionCheckpointer``, which **unpickles** them: load only ``.pkl``
-files you trust. The class count (``MODEL.ROI_HEADS.NUM_CLASSES``) and class-agnostic box regression follow
-the checkpoint's box predictor. An attribute head (Visual Genome bottom-up checkpoints) is ignored with a note.
-A checkpoint that lacks parameters of the model, or has tensors of the wrong shape, is an error.
+format) are read by :func:`captioning.safe_pickle.load_detectron2_pkl`: a restricted unpickler that admits only
+numpy arrays, dtypes, scalars and ``OrderedDict`` and refuses anything else (e.g. a pickle that would call
+``os.system``) before it runs, naming the file and the forbidden global; Caffe2 names are still converted by
+detectron2's name matching when the weights are loaded. The class count (``MODEL.ROI_HEADS.NUM_CLASSES``) and
+class-agnostic box regression follow the checkpoint's box predictor. An attribute head (Visual Genome bottom-up
+checkpoints) is ignored with a note. A checkpoint that lacks parameters of the model, or has tensors of the wrong
+shape, is an error.
 """
 
 from __future__ import annotations
@@ -172,9 +175,9 @@ def _find_key(state: dict[str, Any], exact: str, c2: str, suffix: str) -> str | 
 def _read_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint as detectron2's checkpointer expects it: ``{"model": state_dict, ...}``."""
     if path.suffix == ".pkl":
-        from detectron2.checkpoint import DetectionCheckpointer
+        from captioning.safe_pickle import load_detectron2_pkl
 
-        return DetectionCheckpointer(torch.nn.Module())._load_file(str(path))  # unpickles: trusted files only
+        return load_detectron2_pkl(path)  # restricted unpickler: numpy arrays only, nothing from the file runs
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

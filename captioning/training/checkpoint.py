@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ FORMAT = "capflow-checkpoint/1"
 
 #: the files of a model folder (what the pipeline registers and ``capflow caption`` loads)
 MODEL_FILE, VOCAB_FILE, META_FILE = "model.pt", "vocab.json", "capflow.json"
+#: subfolder of a model folder that holds its detector weights (when the features came from real weights)
+DETECTOR_DIR = "detector"
 
 
 def rng_state() -> dict[str, Any]:
@@ -71,19 +74,52 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     return state
 
 
+def _bundle_detector(out: Path, features: dict[str, Any], cache_dir: str | Path | None) -> dict[str, Any]:
+    """Copy the detector weights named in ``features`` into ``out/detector/`` and return ``features`` naming
+    that copy (relative to the folder) with its sha256; ``features`` as is for a random-weight detector."""
+    ex = dict(features.get("extractor") or {})
+    uri = ex.get("weights")
+    if not uri:
+        return features
+    from captioning.features.extractor import default_cache_dir, resolve_weights
+    from captioning.util import sha256_file
+
+    src = resolve_weights(str(uri), ex.get("weights_sha256"), Path(cache_dir) if cache_dir else default_cache_dir())
+    digest = sha256_file(src)  # resolve_weights has checked it against a pinned weights_sha256
+    rel = f"{DETECTOR_DIR}/{src.name}"
+    dst = out / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        if sha256_file(tmp) != digest:
+            raise OSError(f"copying detector weights {src} into {dst.parent} gave different bytes")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    ex.update(weights=rel, weights_sha256=digest)
+    return {**features, "extractor": ex}
+
+
 def save_model_dir(path: str | Path, *, model: torch.nn.Module, arch: dict[str, Any], vocab: Any,
                    features: dict[str, Any], student: str, preset: str, max_words: int, beam: int,
                    test_metrics: dict[str, Any] | None = None, vocab_digest: str = "", epoch: int = 0,
-                   step: int = 0) -> Path:
+                   step: int = 0, weights_cache_dir: str | Path | None = None) -> Path:
     """Write a model folder: ``model.pt`` (weights only, :func:`save`), ``vocab.json`` and ``capflow.json``
     (``{"student", "preset", "features", "max_words", "beam", "test_metrics"}``; ``features`` is the config's
     ``features`` section as JSON, so a captioner can rebuild the same region extractor).
+
+    Detector weights (``features.extractor.weights``, a path or remote URI; remote files are fetched through
+    ``weights_cache_dir``) are copied into ``detector/`` and ``capflow.json`` names that copy relative to the
+    folder, with the sha256 taken now: a captioner loads no weights from outside the folder and none that do
+    not match that digest (:mod:`captioning.inference`).
 
     ``vocab`` is the path of a ``vocab.json`` (copied as is) or a :class:`~captioning.data.text.Vocabulary`.
     ``vocab_digest`` defaults to the vocabulary's digest when a Vocabulary is given. Returns the folder.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    features = _bundle_detector(out, features, weights_cache_dir)
     if isinstance(vocab, str | Path):
         vocab_text = Path(vocab).read_text(encoding="utf-8")
     else:
