@@ -7,6 +7,12 @@ Rows give, per preset, the encoder's share of the batch-1 latency too, because o
 bound) is a far larger part of a caption's latency than on the GPU the SATIC paper measured on (where each
 decoder step is launch-overhead bound): the speed-up of semi-autoregressive decoding applies to the decoder
 part only. Ratios: ``satic_k{2,4,6}_vs_aic`` (batch-1 latency speed-ups), ``cached_vs_uncached`` (AIC, batch 1).
+
+Rows with ``path: "eager"`` decode with today's growing cache (``graphs=False``, on every device). On CUDA
+(or with ``graphs=True``) every preset gains a ``path: "graph"`` row: the same greedy decoding with the static
+cache and each decoder step replayed from a CUDA graph (captured in the warm-up, not timed), with
+``speedup_vs_eager`` (batch-1 latency) and ``throughput_vs_eager``, and the ratios
+``graph_satic_k{2,4,6}_vs_aic``, ``graph_vs_eager_batch1`` and ``graph_vs_eager_batch{N}`` (AIC).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def _inputs(b: int, regions: int, d_in: int, g: torch.Generator, dev: torch.devi
 
 
 def _measure(name: str, *, max_words: int, regions: int, repeats: int, batch: int, dev: torch.device,
-             g: torch.Generator, uncached: bool) -> dict:
+             g: torch.Generator, uncached: bool, graphs: bool = False) -> dict:
     cfg = preset(name).replace(max_len=64)
     torch.manual_seed(0)
     model = Captioner(cfg).to(dev).eval()
@@ -74,7 +80,8 @@ def _measure(name: str, *, max_words: int, regions: int, repeats: int, batch: in
 
     def caption(x, use_cache=True):
         with torch.inference_mode():
-            greedy(wrapped, model.encode(*x), max_len=max_len, use_cache=use_cache)
+            greedy(wrapped, model.encode(*x), max_len=max_len, use_cache=use_cache, graphs=graphs,
+                   static_cache=graphs)
         sync()
 
     def encode_only():
@@ -88,7 +95,8 @@ def _measure(name: str, *, max_words: int, regions: int, repeats: int, batch: in
     caption(batch_in)
     tb = _timeit(lambda: caption(batch_in), max(1, repeats // 2))
     row = {
-        "preset": name, "group_size": cfg.group_size, "codec": cfg.codec, "tokens": max_len,
+        "preset": name, "path": "graph" if graphs else "eager", "group_size": cfg.group_size, "codec": cfg.codec,
+        "tokens": max_len,
         "steps": max_len // cfg.group_size, "latency_ms_batch1": 1e3 * t1, "encoder_ms_batch1": 1e3 * te,
         "decoder_ms_batch1": 1e3 * (t1 - te), f"images_per_s_batch{batch}": batch / tb,
     }
@@ -97,29 +105,49 @@ def _measure(name: str, *, max_words: int, regions: int, repeats: int, batch: in
     return row
 
 
+def _versus_aic(rows: list[dict], prefix: str = "") -> dict[str, float]:
+    """Each row's speed-ups over the AIC row (in place); the SATIC latency ratios."""
+    base = next(r for r in rows if r["preset"] == "aic")
+    for r in rows:
+        r["speedup_vs_aic"] = base["latency_ms_batch1"] / r["latency_ms_batch1"]
+        r["decoder_speedup_vs_aic"] = base["decoder_ms_batch1"] / r["decoder_ms_batch1"]
+    lat = {r["preset"]: r["latency_ms_batch1"] for r in rows}
+    return {f"{prefix}satic_k{k}_vs_aic": lat["aic"] / lat[f"satic-k{k}"] for k in (2, 4, 6) if f"satic-k{k}" in lat}
+
+
 def run(names: list[str] | None = None, max_words: int = 16, regions: int = 36, repeats: int = 5,
-        batch: int = 50, device: str = "cpu", threads: int | None = None) -> dict:
+        batch: int = 50, device: str = "cpu", threads: int | None = None, graphs: bool | None = None) -> dict:
+    """``graphs``: add the CUDA-graph rows (None = when ``device`` is a CUDA device)."""
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
+    graphs = dev.type == "cuda" if graphs is None else graphs
     names = names or ["aic", "satic-k2", "satic-k4", "satic-k6"] + [
         n for n in PRESETS if n not in ("aic", "satic-k2", "satic-k4", "satic-k6")]
     if "aic" not in names:
         names = ["aic", *names]
     g = torch.Generator().manual_seed(0)
-    rows = [_measure(n, max_words=max_words, regions=regions, repeats=repeats, batch=batch, dev=dev, g=g,
-                     uncached=n == "aic") for n in names]
+    kw = {"max_words": max_words, "regions": regions, "repeats": repeats, "batch": batch, "dev": dev, "g": g}
+    rows = [_measure(n, uncached=n == "aic", **kw) for n in names]
+    ratios = _versus_aic(rows)
     base = rows[names.index("aic")]
-    for r in rows:
-        r["speedup_vs_aic"] = base["latency_ms_batch1"] / r["latency_ms_batch1"]
-        r["decoder_speedup_vs_aic"] = base["decoder_ms_batch1"] / r["decoder_ms_batch1"]
-    lat = {r["preset"]: r["latency_ms_batch1"] for r in rows}
-    ratios = {f"satic_k{k}_vs_aic": lat["aic"] / lat[f"satic-k{k}"] for k in (2, 4, 6) if f"satic-k{k}" in lat}
     ratios["cached_vs_uncached"] = base["uncached_latency_ms_batch1"] / base["latency_ms_batch1"]
+    if graphs:
+        graph_rows = [_measure(n, uncached=False, graphs=True, **kw) for n in names]
+        throughput = f"images_per_s_batch{batch}"
+        for r, e in zip(graph_rows, rows, strict=True):
+            r["speedup_vs_eager"] = e["latency_ms_batch1"] / r["latency_ms_batch1"]
+            r["throughput_vs_eager"] = r[throughput] / e[throughput]
+        ratios |= _versus_aic(graph_rows, "graph_")
+        gbase = graph_rows[names.index("aic")]
+        ratios["graph_vs_eager_batch1"] = gbase["speedup_vs_eager"]
+        ratios[f"graph_vs_eager_batch{batch}"] = gbase["throughput_vs_eager"]
+        rows += graph_rows
     return {
         "bench": "decode",
         "machine": machine_info() | {"device": str(dev)},
-        "params": {"max_words": max_words, "regions": regions, "repeats": repeats, "batch": batch},
+        "params": {"max_words": max_words, "regions": regions, "repeats": repeats, "batch": batch,
+                   "graphs": graphs},
         "rows": rows,
         "ratios": ratios,
         "paper": {"satic_k2_vs_aic": 1.78, "satic_k4_vs_aic": 2.93, "satic_k6_vs_aic": 3.86},

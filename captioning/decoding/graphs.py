@@ -81,27 +81,19 @@ class GraphStep:
 
         # one eager step on the current stream allocates the static buffers (and the cross states) there
         model.prime_cache(self.memory, self.cache)
-        model.decode_step(self.memory, self.tokens, self.cache)
-        self.cache.reorder(self.order, cross=False)
+        self._eager_step()
         # warm-up on a side stream, so that lazy initialisation (library handles, workspaces) is not captured
-        main = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP):
-                self.cache.reset()
-                model.decode_step(self.memory, self.tokens, self.cache)
-                self.cache.reorder(self.order, cross=False)
-        main.wait_stream(side)
+        _on_side_stream(device, lambda: [self._eager_step() for _ in range(WARMUP)])
         self.cache.reset()
-        self.step_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.step_graph):
-            self.out = model.decode_step(self.memory, self.tokens, self.cache)
-        self.reorder_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.reorder_graph):
-            self.cache.reorder(self.order, cross=False)
+        self.step_graph, self.out = _capture(lambda: model.decode_step(self.memory, self.tokens, self.cache))
+        self.reorder_graph, _ = _capture(lambda: self.cache.reorder(self.order, cross=False))
         self.cache.reset()  # the capture ran the host code (length) but no kernel
         self.length = 0
+
+    def _eager_step(self) -> None:
+        self.cache.reset()
+        self.model.decode_step(self.memory, self.tokens, self.cache)
+        self.cache.reorder(self.order, cross=False)
 
     def start(self, memory: Memory) -> None:
         """A new caption (batch) for ``memory`` (rows x at most ``regions`` regions)."""
@@ -128,6 +120,23 @@ class GraphStep:
     def reorder(self, idx: torch.Tensor) -> None:
         self.order.copy_(idx)
         self.reorder_graph.replay()
+
+
+def _on_side_stream(device: torch.device, fn) -> None:
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        fn()
+    main.wait_stream(side)
+
+
+def _capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, fn's result): ``fn`` captured (its kernels recorded, not run; a private memory pool)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def graph_step(model, memory: Memory, positions: int) -> GraphStep:
