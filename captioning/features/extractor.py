@@ -44,10 +44,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 import uuid
 import warnings
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from captioning.config import ExtractorConfig
+from captioning.features.selection import nms_max_conf_batched, overlap_masks, select_boxes
 from captioning.util import resolve_device, sha256_file
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,47 @@ class Regions:
 
     def __len__(self) -> int:
         return int(self.features.shape[0])
+
+
+@dataclass
+class Prepared:
+    """One decoded image, resized and in the model's channel order, waiting for the device."""
+
+    key: Any
+    tensor: torch.Tensor  # (3, h, w) uint8 (pinned when the model is on CUDA)
+    shape: tuple[int, int]  # resized (h, w)
+    image_size: tuple[int, int]  # original (H, W)
+
+
+@dataclass
+class _Detected:
+    """A batch's device outputs on their way to the host (copied asynchronously on CUDA)."""
+
+    batch: list[Prepared]
+    sizes: list[int]  # proposals per image
+    pooled: torch.Tensor  # (sum R, D) float32
+    probs: torch.Tensor  # (sum R, K + 1) float32
+    boxes: torch.Tensor  # (sum R, 4) float32, resized-image coordinates
+    over: torch.Tensor  # (B, R_max, R_max) bool, IoU > nms_threshold
+    event: Any = None
+    host: list[torch.Tensor] = field(default_factory=list)
+
+    def to_host(self, device: torch.device) -> None:
+        parts = (self.pooled, self.probs, self.boxes, self.over)
+        if device.type != "cuda":
+            self.host = [t.cpu() for t in parts]
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+        for h, t in zip(self.host, parts, strict=True):
+            h.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        self.pooled = self.probs = self.boxes = self.over = None  # type: ignore[assignment]
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self.pooled_h, self.probs_h, self.boxes_h, self.over_h = (t.numpy() for t in self.host)
 
 
 # ---------------------------------------------------------------------- weights
@@ -197,6 +242,16 @@ def _torch_device(spec: str) -> torch.device:
     return resolve_device(spec, "extractor device")
 
 
+def resolve_batching(batching: str, device: str | torch.device) -> str:
+    """``auto`` -> ``padded`` on CUDA (measured faster there: mixed shapes batch), ``exact`` elsewhere."""
+    if batching != "auto":
+        return batching
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    return "padded" if kind == "cuda" else "exact"
+
+
 class RegionExtractor:
     """A detectron2 C4 Faster R-CNN built once; call it on lists of RGB images (``(H, W, 3) uint8``)."""
 
@@ -216,6 +271,11 @@ class RegionExtractor:
         self.cfg = cfg
         self.min_boxes, self.max_boxes, self.feature_dim = min_boxes, max_boxes, feature_dim
         self.device = _torch_device(cfg.device)
+        self.batching = resolve_batching(cfg.batching, self.device)
+        self.loader_threads = cfg.loader_threads if cfg.loader_threads is not None else (
+            4 if self.device.type == "cuda" else 0)
+        self.profile: dict[str, float] | None = None  # per-stage seconds, when a benchmark asks for them
+        self._last_mark = 0.0
         self.warnings: list[str] = []
         self.random_init = cfg.weights is None
 
@@ -366,22 +426,36 @@ class RegionExtractor:
             self._warn(f"detector weights {self.weights_path}: {len(other)} tensors not used by the model, "
                        f"e.g. {other[:4]}")
 
-    # ------------------------------------------------------------------ preprocessing
+    # ------------------------------------------------------------------ preprocessing (CPU, thread-safe)
     def _resized_shape(self, image: np.ndarray) -> tuple[int, int]:
         from detectron2.data.transforms import ResizeShortestEdge
 
         h, w = image.shape[:2]
         return ResizeShortestEdge.get_output_shape(h, w, self.cfg.min_size, self.cfg.max_size)
 
-    def _to_tensor(self, image: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    def prepare(self, image: np.ndarray, key: Any = None) -> Prepared:
+        """Resize (PIL bilinear, as detectron2's ResizeShortestEdge) and reorder channels: uint8, still on the CPU.
+
+        The device converts to float and normalises; the numbers equal the float32 CPU conversion exactly.
+        """
         from detectron2.data.transforms import ResizeTransform
 
+        self._check_images([image])
+        shape = self._resized_shape(image)
         h, w = image.shape[:2]
         img = image[:, :, ::-1] if self.input_format == "BGR" else image
         img = np.ascontiguousarray(img)
         if (h, w) != shape:
             img = ResizeTransform(h, w, shape[0], shape[1], Image.BILINEAR).apply_image(img)
-        return torch.as_tensor(np.ascontiguousarray(img.transpose(2, 0, 1)).astype(np.float32))
+        t = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return Prepared(key=key, tensor=t, shape=shape, image_size=(int(h), int(w)))
+
+    def _to_tensor(self, image: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+        p = self.prepare(image)
+        assert p.shape == shape
+        return p.tensor.float()
 
     @staticmethod
     def _check_images(images: list[np.ndarray]) -> None:
@@ -400,13 +474,31 @@ class RegionExtractor:
         bs = self.cfg.batch_size
         return [(idx[s : s + bs], shape) for shape, idx in groups.items() for s in range(0, len(idx), bs)]
 
-    def _autocast(self):
-        return torch.autocast(device_type="cuda", dtype=torch.float16,
-                              enabled=bool(self.cfg.amp and self.device.type == "cuda"))
+    def _group_key(self, p: Prepared) -> tuple:
+        """Images that may share a batch: the same resized shape (exact), the same orientation (padded)."""
+        if self.batching == "exact":
+            return p.shape
+        return ("landscape",) if p.shape[1] >= p.shape[0] else ("portrait",)
 
-    # ------------------------------------------------------------------ model stages
+    def _autocast(self):
+        dtype = torch.bfloat16 if self.cfg.amp_dtype == "bfloat16" else torch.float16
+        on = bool(self.cfg.amp and self.device.type == "cuda")
+        return torch.autocast(device_type="cuda", dtype=dtype, enabled=on)
+
+    # ------------------------------------------------------------------ model stages (device)
+    def _mark(self, stage: str) -> None:
+        """Per-stage timing for ``capflow bench extract`` (synchronising: only when a profile is being taken)."""
+        if self.profile is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.profile[stage] = self.profile.get(stage, 0.0) + now - self._last_mark
+        self._last_mark = now
+
     def _backbone(self, tensors: list[torch.Tensor]):
-        images = self.model.preprocess_image([{"image": t} for t in tensors])
+        images = self.model.preprocess_image([{"image": t.to(self.device, non_blocking=True).float()}
+                                              for t in tensors])
         features = self.model.backbone(images.tensor)
         return images, features
 
@@ -418,6 +510,41 @@ class RegionExtractor:
         logits = roi.box_predictor.cls_score(x)
         return x.float(), F.softmax(logits.float(), dim=-1)
 
+    def _roi_batched(self, features: dict[str, torch.Tensor], boxes: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled features and class probabilities of every proposal of the batch in one ROI-head call."""
+        roi = self.model.roi_heads
+        x = roi._shared_roi_transform([features[f] for f in roi.in_features], boxes).mean(dim=[2, 3])
+        logits = roi.box_predictor.cls_score(x)
+        return x.float(), F.softmax(logits.float(), dim=-1)
+
+    def _detect(self, batch: list[Prepared]) -> _Detected:
+        """Backbone, RPN and ROI head of one batch on the device; results copied to the host asynchronously."""
+        if self.profile is not None:
+            self._mark("wait")
+        imgs, features = self._backbone([p.tensor for p in batch])
+        self._mark("backbone")
+        proposals, _ = self.model.proposal_generator(imgs, features, None)
+        self._mark("rpn")
+        boxes = [p.proposal_boxes for p in proposals]
+        if self.batching == "exact":
+            parts = [self._roi(features, j, b) for j, b in enumerate(boxes)]
+            pooled = torch.cat([p for p, _ in parts]) if parts else None
+            probs = torch.cat([q for _, q in parts]) if parts else None
+        else:
+            pooled, probs = self._roi_batched(features, boxes)
+        self._mark("roi_head")
+        box_t = [b.tensor.float() for b in boxes]
+        over = overlap_masks(box_t, self.cfg.nms_threshold)
+        sizes = [int(b.shape[0]) for b in box_t]
+        r = max(sizes) if sizes else 0
+        over_pad = torch.zeros(len(batch), r, r, dtype=torch.bool, device=self.device)
+        for j, o in enumerate(over):
+            over_pad[j, : sizes[j], : sizes[j]] = o
+        host = _Detected(batch=batch, sizes=sizes, pooled=pooled, probs=probs, boxes=torch.cat(box_t), over=over_pad)
+        host.to_host(self.device)
+        self._mark("to_host")
+        return host
+
     def _check_finite(self, index: int, *tensors: torch.Tensor) -> None:
         for t in tensors:
             if not bool(torch.isfinite(t).all()):
@@ -426,59 +553,151 @@ class RegionExtractor:
                     "or class scores; the image cannot be used with these weights", index
                 )
 
-    def _nms_max_conf(self, boxes: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Per-class greedy NMS over ``boxes`` (R, 4) for every class of ``scores`` (R, K) at once.
-
-        Returns, per box, its best score among the classes in which it survived (0 if none). Within a class,
-        boxes are visited by score, descending, ties by index; a box is suppressed by an earlier kept box of
-        the same class with IoU > nms_threshold (as torchvision's nms).
-        """
-        from torchvision.ops import box_iou
-
-        r, k = scores.shape
-        if r == 0 or k == 0:
-            return torch.zeros(r, dtype=torch.float32, device=scores.device)
-        over = box_iou(boxes, boxes) > self.cfg.nms_threshold  # (R, R)
-        order = torch.sort(scores, dim=0, descending=True, stable=True).indices  # (R, K): rank -> box
-        suppressed = torch.zeros(k, r, dtype=torch.bool, device=scores.device)
-        kept = torch.zeros(k, r, dtype=torch.bool, device=scores.device)
-        cls = torch.arange(k, device=scores.device)
-        for i in range(r):
-            idx = order[i]
-            alive = ~suppressed[cls, idx]
-            kept[cls, idx] = alive
-            suppressed |= over[idx] & alive[:, None]
-        return torch.where(kept.T, scores, torch.zeros((), dtype=scores.dtype, device=scores.device)).amax(dim=1)
-
     def _select(self, max_conf: np.ndarray) -> np.ndarray:
         """Indices of the kept boxes, by score descending then index."""
-        r = max_conf.shape[0]
-        order = np.lexsort((np.arange(r), -max_conf.astype(np.float64)))
-        if self.cfg.fixed_boxes is not None:
-            n = self.cfg.fixed_boxes
-        else:
-            above = int(np.count_nonzero(max_conf > self.cfg.conf_threshold))
-            n = min(max(above, self.min_boxes), self.max_boxes)
-        return order[: min(n, r)]
+        return select_boxes(max_conf, conf_threshold=self.cfg.conf_threshold, min_boxes=self.min_boxes,
+                            max_boxes=self.max_boxes, fixed_boxes=self.cfg.fixed_boxes)
+
+    def _finish(self, det: _Detected) -> list[tuple[Any, Regions | Exception]]:
+        """Host side of a batch: box selection (all images at once) and the kept regions; runs off the GPU's path."""
+        det.wait()
+        t0 = time.perf_counter()
+        offs = np.concatenate([[0], np.cumsum(det.sizes)]).astype(int)
+        pooled, probs, boxes, over = det.pooled_h, det.probs_h, det.boxes_h, det.over_h
+        out: list[tuple[Any, Regions | Exception]] = []
+        good: list[int] = []
+        for j, p in enumerate(det.batch):
+            s, e = offs[j], offs[j + 1]
+            if not (np.isfinite(pooled[s:e]).all() and np.isfinite(probs[s:e]).all()):
+                out.append((p.key, ExtractionError(
+                    f"image {p.key}: the detector produced non-finite values (NaN/inf) in its region features or "
+                    "class scores; the image cannot be used with these weights", j)))
+            else:
+                good.append(j)
+        confs = nms_max_conf_batched(
+            [over[j, : det.sizes[j], : det.sizes[j]] for j in good],
+            [probs[offs[j] : offs[j + 1], :-1] for j in good],
+        )
+        for j, max_conf in zip(good, confs, strict=True):
+            p = det.batch[j]
+            s = offs[j]
+            keep = self._select(max_conf)
+            h, w = p.shape
+            rel = boxes[s + keep] / np.array([w, h, w, h], dtype=np.float32)  # resized -> relative
+            out.append((p.key, Regions(
+                features=np.ascontiguousarray(pooled[s + keep], dtype=np.float32),
+                boxes=np.ascontiguousarray(np.clip(rel, 0.0, 1.0).astype(np.float32)),
+                scores=np.ascontiguousarray(max_conf[keep], dtype=np.float32),
+                image_size=p.image_size,
+            )))
+        if self.profile is not None:
+            self.profile["selection"] = self.profile.get("selection", 0.0) + time.perf_counter() - t0
+        return out
+
+    def _detect_safe(self, batch: list[Prepared]) -> list[_Detected | tuple[Any, Exception]]:
+        """One batch, or image by image when the batch fails, so that one image cannot sink the others."""
+        with torch.inference_mode(), self._autocast():
+            try:
+                return [self._detect(batch)]
+            except Exception as e:
+                if len(batch) == 1:
+                    return [(batch[0].key, e)]
+                log.warning("a batch of %d images failed (%s); extracting image by image", len(batch), e)
+                return [x for p in batch for x in self._detect_safe([p])]
 
     # ------------------------------------------------------------------ public API
+    def stream(self, items: Iterable[tuple[Any, Callable[[], np.ndarray]]], *, threads: int | None = None,
+               window: int | None = None) -> Iterator[tuple[Any, Regions | Exception]]:
+        """Extract a stream of images: ``items`` yields ``(key, load)`` where ``load()`` returns the RGB array or
+        raises (e.g. ``ImageRejected``); yields ``(key, Regions)`` or ``(key, exception)`` for every item, in
+        completion order.
+
+        Overlap: ``threads`` decode/resize threads run ahead of the model (default ``loader_threads``), batches
+        form among up to ``window`` ready images (default 4 x batch_size) by :meth:`_group_key`, and the box
+        selection of a batch runs on a host thread while the device works on the next batch.
+        """
+        threads = self.loader_threads if threads is None else threads
+        bs = self.cfg.batch_size
+        window = window or 4 * bs
+
+        def load(key, fn) -> Prepared | tuple[Any, Exception]:
+            try:
+                return self.prepare(fn(), key)
+            except Exception as e:
+                return (key, e)
+
+        loaders = ThreadPoolExecutor(threads, thread_name_prefix="capflow-decode") if threads else None
+        host = ThreadPoolExecutor(1, thread_name_prefix="capflow-select")
+        it = iter(items)
+        ahead: deque = deque()
+        finishing: deque = deque()
+        groups: dict[tuple, list[Prepared]] = {}
+        held = 0
+
+        def launch(batch: list[Prepared]):
+            for d in self._detect_safe(batch):
+                if isinstance(d, _Detected):
+                    finishing.append(host.submit(self._finish, d))
+                else:
+                    finishing.append(d)
+
+        def drain(block: bool):
+            while finishing and (block or len(finishing) > 2 or not hasattr(finishing[0], "done")
+                                 or finishing[0].done()):
+                f = finishing.popleft()
+                if hasattr(f, "result"):
+                    yield from f.result()
+                else:
+                    yield f
+
+        try:
+            while True:
+                while len(ahead) < window + 2 * max(threads, 1):
+                    try:
+                        key, fn = next(it)
+                    except StopIteration:
+                        break
+                    ahead.append(loaders.submit(load, key, fn) if loaders else load(key, fn))
+                if not ahead:
+                    break
+                got = ahead.popleft()
+                got = got.result() if loaders else got
+                if isinstance(got, tuple):  # could not be loaded
+                    yield got
+                    continue
+                g = groups.setdefault(self._group_key(got), [])
+                g.append(got)
+                held += 1
+                if len(g) == bs:
+                    held -= len(g)
+                    launch(groups.pop(self._group_key(got)))
+                elif held > window:  # too many images waiting for partners: run the oldest group as it is
+                    oldest = next(iter(groups))
+                    held -= len(groups[oldest])
+                    launch(groups.pop(oldest))
+                yield from drain(False)
+            for g in list(groups.values()):
+                launch(g)
+            yield from drain(True)
+        finally:
+            if loaders:
+                loaders.shutdown(wait=True, cancel_futures=True)
+            host.shutdown(wait=True)
+
     def __call__(self, images: list[np.ndarray]) -> list[Regions]:
         """Regions of each image (same order). Raises ExtractionError for non-finite model outputs."""
         self._check_images(images)
-        out: list[Regions | None] = [None] * len(images)
-        with torch.inference_mode(), self._autocast():
-            for idx, shape in self._batches(images):
-                tensors = [self._to_tensor(images[i], shape) for i in idx]
-                imgs, features = self._backbone(tensors)
-                proposals, _ = self.model.proposal_generator(imgs, features, None)
-                for j, i in enumerate(idx):
-                    boxes = proposals[j].proposal_boxes
-                    pooled, probs = self._roi(features, j, boxes)
-                    self._check_finite(i, pooled, probs)
-                    max_conf = self._nms_max_conf(boxes.tensor.float(), probs[:, :-1]).cpu().numpy()
-                    keep = self._select(max_conf)
-                    out[i] = self._regions(images[i], shape, pooled, boxes.tensor, keep, max_conf[keep])
-        return out  # type: ignore[return-value]
+        out: dict[int, Regions | Exception] = {}
+        for i, r in self.stream(((i, (lambda im=im: im)) for i, im in enumerate(images)), threads=0,
+                                window=max(len(images), 1)):
+            out[i] = r
+        for i in range(len(images)):
+            r = out[i]
+            if isinstance(r, ExtractionError):
+                raise ExtractionError(str(r), i)
+            if isinstance(r, Exception):
+                raise r
+        return [out[i] for i in range(len(images))]  # type: ignore[misc]
 
     def extract_given(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[Regions]:
         """Features and best class scores of the given boxes ((n, 4) relative x1, y1, x2, y2), in their order."""
@@ -516,20 +735,6 @@ class RegionExtractor:
                     )
         return out  # type: ignore[return-value]
 
-    def _regions(self, image, shape, pooled, boxes, keep, scores) -> Regions:
-        h, w = shape
-        keep_t = torch.from_numpy(keep).to(pooled.device)
-        feats = pooled.index_select(0, keep_t).cpu().numpy()
-        b = boxes.float().index_select(0, keep_t).cpu().numpy()
-        rel = b / np.array([w, h, w, h], dtype=np.float32)  # resized -> relative = original / original size
-        rel = np.clip(rel, 0.0, 1.0).astype(np.float32)
-        return Regions(
-            features=np.ascontiguousarray(feats, dtype=np.float32),
-            boxes=np.ascontiguousarray(rel),
-            scores=np.ascontiguousarray(scores, dtype=np.float32),
-            image_size=(int(image.shape[0]), int(image.shape[1])),
-        )
-
     def describe(self) -> dict[str, Any]:
         """JSON-able description (for store attributes): settings, weights identity, device, versions."""
         import detectron2
@@ -540,6 +745,8 @@ class RegionExtractor:
             "random_init": self.random_init,
             "device": str(self.device),
             "amp": bool(self.cfg.amp and self.device.type == "cuda"),
+            "amp_dtype": self.cfg.amp_dtype,
+            "batching": self.batching,
             "num_classes": self.num_classes,
             "min_boxes": self.min_boxes,
             "max_boxes": self.max_boxes,

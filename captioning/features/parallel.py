@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,26 @@ def weights_identity(ex: ExtractorConfig) -> str:
     return f"uri:{ex.weights}"  # remote without a pinned hash: the URI is the best identity we have
 
 
+def resolved_batching(ex: ExtractorConfig) -> str:
+    """The batching mode the extractor will use (``auto`` depends on the device it will run on)."""
+    from captioning.features.extractor import resolve_batching
+
+    return resolve_batching(ex.batching, ex.device)
+
+
 def store_key(f: FeaturesConfig) -> str:
     ex = f.extractor.model_dump(mode="json")
     ex.pop("device")  # where it runs does not name the store (recorded in its attributes instead)
     ex.pop("weights_sha256")
+    ex.pop("loader_threads")  # overlap only, never the numbers
+    # settings added later are named only when they change the numbers, so existing stores keep their names
+    batching = resolved_batching(f.extractor)
+    if batching == "exact":
+        ex.pop("batching")
+    else:
+        ex["batching"] = batching
+    if not ex["amp"] or ex["amp_dtype"] == "float16":
+        ex.pop("amp_dtype")
     ex["weights"] = weights_identity(f.extractor)
     ident = {
         "format": STORE_FORMAT,
@@ -126,6 +143,141 @@ class ChunkResult:
     boxes: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _ChunkWork:
+    """A chunk's rows while its pending images are being extracted (rows already written are kept as they are)."""
+
+    chunk: int
+    start: int
+    pending: np.ndarray
+    feats: np.ndarray
+    boxes: np.ndarray
+    nb: np.ndarray
+    size: np.ndarray
+    status: np.ndarray
+    reasons: list[str]
+    todo: int
+    t0: float
+
+
+def _open_chunk(store: FeatureStore, chunk: int, items: Sequence[tuple[int, str]]) -> _ChunkWork | None:
+    t0 = time.perf_counter()
+    start, stop = store.chunk_range(chunk)
+    if len(items) != stop - start:
+        raise StoreError(f"chunk {chunk} has {stop - start} rows but {len(items)} images were planned")
+    ids = store.image_ids(start, stop)  # this chunk's rows only: no whole-array reads per chunk
+    if [i for i, _ in items] != ids.tolist():
+        raise StoreError(f"chunk {chunk}: planned images do not match the store's rows")
+    pending = store.status(start, stop) == PENDING
+    if not np.any(pending):
+        return None
+    old = store.read_block(start, stop)
+    feats = old.features.astype(np.float32)
+    boxes = old.boxes.copy()
+    nb = old.num_boxes.astype(np.int16)
+    size = old.image_size.copy()
+    status = np.where(pending, OK, old.status).astype(np.int8)
+    reasons = [str(r) for r in store.group["reject_reason"][start:stop]]
+    # pending rows start from nothing (a killed writer may have left partial data there)
+    feats[pending], boxes[pending], nb[pending], size[pending] = 0, 0, 0, -1
+    reasons = [r if not p else "" for r, p in zip(reasons, pending, strict=True)]
+    return _ChunkWork(chunk, start, pending, feats, boxes, nb, size, status, reasons, int(pending.sum()), t0)
+
+
+def _put(w: _ChunkWork, k: int, r: Any, min_boxes: int, f16: bool) -> None:
+    """Row ``k`` of the chunk from an extraction result (Regions) or the exception that replaced it."""
+    from captioning.features.images import ImageRejected
+
+    w.todo -= 1
+    if isinstance(r, ImageRejected):
+        w.status[k], w.reasons[k] = REJECTED, str(r.reason)
+        return
+    if isinstance(r, Exception):
+        w.status[k], w.reasons[k] = REJECTED, f"extraction failed: {r}"
+        return
+    w.size[k] = r.image_size
+    m = r.features.shape[0]
+    if m < min_boxes:
+        w.status[k], w.reasons[k] = REJECTED, f"only {m} boxes found (< features.min_boxes={min_boxes})"
+        return
+    if not (np.all(np.isfinite(r.features)) and np.all(np.isfinite(r.boxes))):
+        w.status[k], w.reasons[k] = REJECTED, "non-finite features"
+        return
+    if f16 and not np.all(np.isfinite(r.features.astype(np.float16))):
+        w.status[k], w.reasons[k] = REJECTED, "features overflow float16"
+        return
+    w.feats[k, :m] = r.features
+    w.boxes[k, :m] = r.boxes
+    w.nb[k] = m
+
+
+def _write_chunk(store: FeatureStore, w: _ChunkWork, n_items: int) -> ChunkResult:
+    store.write_rows(w.start, features=w.feats, boxes=w.boxes, num_boxes=w.nb, image_size=w.size, status=w.status,
+                     reject_reason=w.reasons)  # status last: a row is ok only once its data is stored
+    new_ok = w.pending & (w.status == OK)
+    done = int(w.pending.sum())
+    return ChunkResult(w.chunk, done, int(new_ok.sum()), done - int(new_ok.sum()), time.perf_counter() - w.t0,
+                       boxes=w.nb[new_ok].tolist())
+
+
+def extract_chunks(
+    uri: str,
+    chunks: Sequence[tuple[int, Sequence[tuple[int, str]]]],
+    ex_json: str,
+    min_boxes: int,
+    max_boxes: int,
+    feature_dim: int,
+    threads: int | None = None,
+    cache_dir: str | None = None,
+) -> list[ChunkResult]:
+    """Extract and write whole chunks, streaming their images through one model. Idempotent per chunk.
+
+    The images of all ``chunks`` flow through :meth:`RegionExtractor.stream` (decoding ahead on threads, batches
+    across chunk boundaries, box selection overlapped with the device); a chunk is written (by a writer thread,
+    off the device's path) as soon as its last image is done, so a killed run loses at most the chunks in flight.
+    """
+    from captioning.features.images import load_rgb
+
+    store = FeatureStore.open(uri, mode="r+")
+    ex_cfg = ExtractorConfig.model_validate_json(ex_json)
+    f16 = store.group["features"].dtype == np.float16
+    results: dict[int, ChunkResult] = {}
+    work: dict[int, _ChunkWork] = {}
+    for chunk, items in chunks:
+        w = _open_chunk(store, chunk, items)
+        if w is None:
+            results[chunk] = ChunkResult(chunk, len(items), 0, 0, 0.0, skipped=True)
+        else:
+            work[chunk] = w
+    if work:
+        model = _extractor(ex_json, min_boxes, max_boxes, feature_dim, threads, cache_dir)
+        n_items = {c: len(items) for c, items in chunks}
+
+        def jobs():
+            for chunk, items in chunks:
+                w = work.get(chunk)
+                if w is None:
+                    continue
+                for k, (_, path) in enumerate(items):
+                    if w.pending[k]:
+                        yield (chunk, k), (lambda p=path: load_rgb(p, min_side=ex_cfg.min_image_side,
+                                                                   max_pixels=ex_cfg.max_image_pixels))
+
+        with ThreadPoolExecutor(1, thread_name_prefix="capflow-write") as writer:
+            writes = {}
+            for (chunk, k), r in model.stream(jobs()):
+                w = work[chunk]
+                _put(w, k, r, min_boxes, f16)
+                if w.todo == 0:
+                    writes[chunk] = writer.submit(_write_chunk, store, w, n_items[chunk])
+            for chunk, fut in writes.items():
+                results[chunk] = fut.result()
+        unfinished = [c for c, w in work.items() if w.todo]
+        if unfinished:  # pragma: no cover - stream() yields every item exactly once
+            raise StoreError(f"chunks {unfinished} did not receive every image")
+    return [results[c] for c, _ in chunks]
+
+
 def extract_chunk(
     uri: str,
     chunk: int,
@@ -138,80 +290,7 @@ def extract_chunk(
     cache_dir: str | None = None,
 ) -> ChunkResult:
     """Extract and write one whole chunk. Idempotent: a chunk already written is left alone."""
-    from captioning.features.images import ImageRejected, load_rgb
-
-    t0 = time.perf_counter()
-    store = FeatureStore.open(uri, mode="r+")
-    start, stop = store.chunk_range(chunk)
-    if len(items) != stop - start:
-        raise StoreError(f"chunk {chunk} has {stop - start} rows but {len(items)} images were planned")
-    ids = store.image_ids(start, stop)  # this chunk's rows only: no whole-array reads per chunk
-    if [i for i, _ in items] != ids.tolist():
-        raise StoreError(f"chunk {chunk}: planned images do not match the store's rows")
-    pending = store.status(start, stop) == PENDING
-    if not np.any(pending):
-        return ChunkResult(chunk, len(items), 0, 0, time.perf_counter() - t0, skipped=True)
-    ex_cfg = ExtractorConfig.model_validate_json(ex_json)
-    model = _extractor(ex_json, min_boxes, max_boxes, feature_dim, threads, cache_dir)
-    # rows already written (a chunk that grew by appended images) are kept exactly as they are
-    old = store.read_block(start, stop)
-    feats = old.features.astype(np.float32)
-    boxes = old.boxes.copy()
-    nb = old.num_boxes.astype(np.int16)
-    size = old.image_size.copy()
-    status = np.where(pending, OK, old.status).astype(np.int8)
-    reasons = [str(r) for r in store.group["reject_reason"][start:stop]]
-    # pending rows start from nothing (a killed writer may have left partial data there)
-    feats[pending], boxes[pending], nb[pending], size[pending] = 0, 0, 0, -1
-    reasons = [r if not p else "" for r, p in zip(reasons, pending, strict=True)]
-    good: list[int] = []
-    pixels: list[np.ndarray] = []
-    for k, (_, path) in enumerate(items):
-        if not pending[k]:
-            continue
-        try:
-            img = load_rgb(path, min_side=ex_cfg.min_image_side, max_pixels=ex_cfg.max_image_pixels)
-        except ImageRejected as e:
-            status[k], reasons[k] = REJECTED, str(e.reason)
-            continue
-        good.append(k)
-        pixels.append(img)
-        size[k] = img.shape[:2]
-    if pixels:
-        try:
-            regions = model(pixels)
-        except Exception as e:  # one bad batch: retry image by image so one image cannot sink the chunk
-            log.warning("chunk %d: batch failed (%s); extracting image by image", chunk, e)
-            regions = []
-            for img in pixels:
-                try:
-                    regions.extend(model([img]))
-                except Exception as e1:
-                    regions.append(e1)
-        for k, r in zip(good, regions, strict=True):
-            if isinstance(r, Exception):
-                status[k], reasons[k] = REJECTED, f"extraction failed: {r}"
-                continue
-            m = r.features.shape[0]
-            if m < min_boxes:
-                status[k], reasons[k] = REJECTED, f"only {m} boxes found (< features.min_boxes={min_boxes})"
-                continue
-            if not (np.all(np.isfinite(r.features)) and np.all(np.isfinite(r.boxes))):
-                status[k], reasons[k] = REJECTED, "non-finite features"
-                continue
-            f16 = r.features.astype(np.float16) if store.group["features"].dtype == np.float16 else r.features
-            if not np.all(np.isfinite(f16)):
-                status[k], reasons[k] = REJECTED, "features overflow float16"
-                continue
-            feats[k, :m] = r.features
-            boxes[k, :m] = r.boxes
-            nb[k] = m
-    store.write_rows(start, features=feats, boxes=boxes, num_boxes=nb, image_size=size, status=status,
-                     reject_reason=reasons)
-    new_ok = pending & (status == OK)
-    done = int(pending.sum())
-    return ChunkResult(chunk, done, int(new_ok.sum()), done - int(new_ok.sum()), time.perf_counter() - t0,
-                       boxes=nb[new_ok].tolist())
+    return extract_chunks(uri, [(chunk, items)], ex_json, min_boxes, max_boxes, feature_dim, threads, cache_dir)[0]
 
 
 # ---------------------------------------------------------------------- planning
@@ -333,6 +412,24 @@ def local_cluster(workers: int, threads_per_worker: int = 1, gpus: int | None = 
                             host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR, **kw)
 
 
+def _runs_on_gpu(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def _chunks_per_task(n_chunks: int, workers: int, gpu: bool) -> int:
+    """One chunk per task on CPUs (fine-grained balance); on GPUs enough chunks that a task streams many batches
+    (decoding, the device and writing overlap within a task), with ~4 tasks per worker left for balance."""
+    if not gpu:
+        return 1
+    return max(1, min(64, -(-n_chunks // (4 * max(workers, 1)))))
+
+
+def _groups(todo: list, per: int) -> list[list]:
+    return [todo[i : i + per] for i in range(0, len(todo), per)]
+
+
 def _gpu_resources(client) -> bool:
     info = client.scheduler_info()
     return any("GPU" in (w.get("resources") or {}) for w in info.get("workers", {}).values())
@@ -356,7 +453,8 @@ def extract_features(
     store, appended = prepare_store(cfg, ds, uri)
     todo = plan_chunks(store, ds)
     f = cfg.features
-    ex_json = f.extractor.model_dump_json()
+    # the batching mode is resolved here, where the store is named, not on each worker
+    ex_json = f.extractor.model_copy(update={"batching": resolved_batching(f.extractor)}).model_dump_json()
     n_workers = f.workers if workers is None else workers
     threads = threads_per_worker or f.extractor.threads
     args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, str(cfg.workdir / "cache" / "weights"))
@@ -374,8 +472,10 @@ def extract_features(
 
     try:
         if todo and n_workers == 0 and client is None:
-            for c, items in todo:
-                done(extract_chunk(store.uri, c, items, *args))
+            per = _chunks_per_task(len(todo), 1, _runs_on_gpu(f.extractor.device))
+            for group in _groups(todo, per):
+                for r in extract_chunks(store.uri, group, *args):
+                    done(r)
         elif todo:
             from distributed import Client, as_completed
 
@@ -387,11 +487,16 @@ def extract_features(
                     own_cluster = local_cluster(n_workers)
                     client = Client(own_cluster)
             try:
-                resources = {"GPU": 1} if _gpu_resources(client) else None
-                futures = [client.submit(extract_chunk, store.uri, c, items, *args, key=f"extract-{store.uri}-{c}",
-                                         resources=resources, pure=False) for c, items in todo]
+                gpu = _gpu_resources(client)
+                resources = {"GPU": 1} if gpu else None
+                n = max(1, len(client.scheduler_info().get("workers", {})))
+                futures = [client.submit(extract_chunks, store.uri, group, *args,
+                                         key=f"extract-{store.uri}-{group[0][0]}-{group[-1][0]}",
+                                         resources=resources, pure=False)
+                           for group in _groups(todo, _chunks_per_task(len(todo), n, gpu))]
                 for fut in as_completed(futures):
-                    done(fut.result())
+                    for r in fut.result():
+                        done(r)
             finally:
                 if own_client:  # a client we opened (to our LocalCluster or an external scheduler) is closed
                     client.close()

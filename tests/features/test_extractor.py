@@ -21,6 +21,7 @@ from captioning.features.extractor import (
     resolve_weights,
 )
 from captioning.features.images import load_rgb
+from captioning.features.selection import nms_max_conf_batched, nms_max_conf_reference, overlap_masks
 
 SMALL = dict(
     model_config_file="COCO-Detection/faster_rcnn_R_50_C4_3x.yaml",
@@ -233,13 +234,16 @@ def test_nms_matches_torchvision_per_class(extractor):
     xy = torch.rand(60, 2, generator=g) * 100
     boxes = torch.cat([xy, xy + 10 + torch.rand(60, 2, generator=g) * 40], dim=1)
     scores = torch.softmax(torch.randn(60, 9, generator=g) * 2, dim=1)
-    got = extractor._nms_max_conf(boxes, scores)
+    thr = extractor.cfg.nms_threshold
+    over = overlap_masks([boxes], thr)[0].numpy()
+    got = torch.from_numpy(nms_max_conf_batched([over], [scores.numpy()])[0])
     expected = torch.zeros(60)
     for k in range(9):
-        keep = nms(boxes, scores[:, k], extractor.cfg.nms_threshold)
+        keep = nms(boxes, scores[:, k], thr)
         expected[keep] = torch.maximum(expected[keep], scores[keep, k])
     assert torch.equal(got, expected)
-    assert extractor._nms_max_conf(boxes[:0], scores[:0]).shape == (0,)
+    assert torch.equal(nms_max_conf_reference(boxes, scores, thr), expected)
+    assert nms_max_conf_batched([np.zeros((0, 0), bool)], [scores[:0].numpy()])[0].shape == (0,)
 
 
 def test_synthetic_image(extractor, synthetic_small):
