@@ -13,6 +13,9 @@ keys/values, the position counter) are copied into before a caption, the step's 
 host-side control flow depending on the data: positions come from the cache's device counter, which the graph
 itself advances. Beam search's row reordering (an ``index_select`` into the same buffers) is captured too.
 
+:func:`encode` does the same for ``model.encode`` (one graph per input shape), for callers whose batch-1
+latency would otherwise be the encoder's kernel launches (``capflow bench decode``'s graph rows).
+
 Graphs are kept per model (weakly; at most :data:`MAX_GRAPHS`, least recently used first out) and dropped when
 the model's parameters or buffers move (``.to()``, ``.half()``): in-place updates (an optimizer step,
 ``load_state_dict``) are seen by the replays, as the graph reads the parameters' storage.
@@ -20,6 +23,7 @@ the model's parameters or buffers move (``.to()``, ``.half()``): in-place update
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections import OrderedDict
@@ -113,13 +117,20 @@ class GraphStep:
             raise ValueError(f"decoder position {self.length + tokens.shape[1]} exceeds the graph's "
                              f"{self.positions} positions")
         self.tokens.copy_(tokens)
-        self.step_graph.replay()
+        with _on_device(self.device):
+            self.step_graph.replay()
         self.length += tokens.shape[1]
         return self.out
 
     def reorder(self, idx: torch.Tensor) -> None:
         self.order.copy_(idx)
-        self.reorder_graph.replay()
+        with _on_device(self.device):
+            self.reorder_graph.replay()
+
+
+def _on_device(device: torch.device):
+    """The graph's device as the current one (replays and captures run on the current device's stream)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _on_side_stream(device: torch.device, fn) -> None:
@@ -145,21 +156,73 @@ def graph_step(model, memory: Memory, positions: int) -> GraphStep:
     device = states.device
     rows, r, d = states.shape
     regions = -(-r // REGION_BUCKET) * REGION_BUCKET
+    entry = _entry(model)
+    key = ("step", rows, regions, d, states.dtype, positions, str(device), _autocast_state(device))
+    runner = entry["graphs"].get(key)
+    if runner is None:
+        with _on_device(device):
+            runner = GraphStep(model, rows, regions, d, states.dtype, positions, device)
+        _keep(entry["graphs"], key, runner)
+    entry["graphs"].move_to_end(key)
+    runner.start(memory)
+    return runner
+
+
+def _entry(model) -> dict:
+    """``model``'s graphs, dropped when its parameters or buffers moved."""
     entry = _STORE.get(model)
     fp = _fingerprint(model)
     if entry is None or entry["fingerprint"] != fp:
         entry = _STORE[model] = {"fingerprint": fp, "graphs": OrderedDict()}
-    key = (rows, regions, d, states.dtype, positions, str(device), _autocast_state(device))
-    graphs = entry["graphs"]
-    runner = graphs.get(key)
+    return entry
+
+
+def _keep(graphs: OrderedDict, key, runner) -> None:
+    graphs[key] = runner
+    while len(graphs) > MAX_GRAPHS:
+        graphs.popitem(last=False)
+
+
+class GraphEncode:
+    """``model.encode`` captured for one (rows, regions) shape; inputs copied into static tensors."""
+
+    def __init__(self, model, features: torch.Tensor, boxes: torch.Tensor, region_mask: torch.Tensor):
+        self.features, self.boxes, self.mask = features.clone(), boxes.clone(), region_mask.clone()
+
+        def run():
+            return model.encode(self.features, self.boxes, self.mask).states
+
+        run()
+        _on_side_stream(features.device, lambda: [run() for _ in range(WARMUP)])
+        self.graph, self.out = _capture(run)
+        self.device = features.device
+
+    def __call__(self, features, boxes, region_mask) -> Memory:
+        self.features.copy_(features)
+        self.boxes.copy_(boxes)
+        self.mask.copy_(region_mask)
+        with _on_device(self.device):
+            self.graph.replay()
+        return Memory(self.out.clone(), self.mask.clone())
+
+
+def encode(model, features: torch.Tensor, boxes: torch.Tensor, region_mask: torch.Tensor) -> Memory:
+    """``model.encode`` replayed from a CUDA graph per input shape (captured on first use; eval mode). The
+    returned memory is the caller's own (copied out of the graph's output)."""
+    if not features.is_cuda:
+        raise ValueError("a graph-captured encoder needs its inputs on a CUDA device")
+    if any(isinstance(m, torch.nn.Dropout) and m.training and m.p > 0 for m in model.modules()):
+        raise ValueError("a graph-captured encoder needs the model in eval mode (no active dropout)")
+    entry = _entry(model)
+    key = ("encode", tuple(features.shape), features.dtype, tuple(boxes.shape), boxes.dtype, region_mask.dtype,
+           str(features.device), _autocast_state(features.device))
+    runner = entry["graphs"].get(key)
     if runner is None:
-        runner = GraphStep(model, rows, regions, d, states.dtype, positions, device)
-        graphs[key] = runner
-        while len(graphs) > MAX_GRAPHS:
-            graphs.popitem(last=False)
-    graphs.move_to_end(key)
-    runner.start(memory)
-    return runner
+        with _on_device(features.device):
+            runner = GraphEncode(model, features, boxes, region_mask)
+        _keep(entry["graphs"], key, runner)
+    entry["graphs"].move_to_end(key)
+    return runner(features, boxes, region_mask)
 
 
 def forget(model) -> None:

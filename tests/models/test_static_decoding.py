@@ -39,15 +39,19 @@ def _model(name: str, eos_bias: float) -> Captioner:
     return model
 
 
-def _memory(model: Captioner, b: int, seed: int = 1, device: str = "cpu", regions: int = R):
+def _inputs(b: int, seed: int = 1, device: str = "cpu", regions: int = R):
     g = torch.Generator().manual_seed(seed)
     feats = torch.randn(b, regions, D_IN, generator=g)
     xy = torch.rand(b, regions, 2, generator=g) * 0.5
     boxes = torch.cat([xy, xy + 0.1 + torch.rand(b, regions, 2, generator=g) * 0.4], -1)
     mask = torch.ones(b, regions, dtype=torch.bool)
     mask[-1, 3:] = False
+    return feats.to(device), boxes.to(device), mask.to(device)
+
+
+def _memory(model: Captioner, b: int, seed: int = 1, device: str = "cpu", regions: int = R):
     with torch.inference_mode():
-        return model.encode(feats.to(device), boxes.to(device), mask.to(device))
+        return model.encode(*_inputs(b, seed, device, regions))
 
 
 def assert_same(got, ref, tol=TOL) -> None:
@@ -276,6 +280,22 @@ def test_graph_replays_new_inputs_and_weights():
     mem7 = _memory(model, 3, device="cuda", regions=7)
     assert_same(greedy(model, mem7, graphs=True), greedy(model, mem7, graphs=False), GPU_TOL)
     assert len(graphs._STORE[model]["graphs"]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ort-small", "expansionnet", "zodiac-sigmoid"])
+def test_graph_encoder_equals_eager_on_cuda(name):
+    from captioning.decoding import graphs
+
+    model = _cuda_model(name)
+    with torch.inference_mode():
+        for seed in (1, 2):  # the second batch replays the first one's graph
+            x = _inputs(3, seed=seed, device="cuda")
+            got, ref = graphs.encode(model, *x), model.encode(*x)
+            torch.testing.assert_close(got.states, ref.states, **GPU_TOL)
+            assert torch.equal(got.mask, ref.mask)
+        assert len(graphs._STORE[model]["graphs"]) == 1
+        assert_same(greedy(model, got, graphs=True), greedy(model, ref, graphs=False), GPU_TOL)
 
 
 @pytest.mark.gpu
