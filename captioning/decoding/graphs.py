@@ -143,9 +143,10 @@ def _on_side_stream(device: torch.device, fn) -> None:
 
 
 def _capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
-    """(graph, fn's result): ``fn`` captured (its kernels recorded, not run; a private memory pool)."""
+    """(graph, fn's result): ``fn`` captured (its kernels recorded, not run; a private memory pool). Only this
+    thread's CUDA calls are restricted during the capture (a loader's pin-memory thread may go on)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 
