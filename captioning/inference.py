@@ -41,6 +41,7 @@ from captioning.features.images import ImageRejected, load_rgb
 from captioning.metrics.report import predict
 from captioning.models.encoder_decoder import ArchConfig
 from captioning.models.registry import build
+from captioning.precision import resolve_precision
 from captioning.training import checkpoint
 from captioning.training.checkpoint import DETECTOR_DIR, META_FILE, MODEL_FILE, VOCAB_FILE
 from captioning.training.recipe import codec_for, max_tokens
@@ -142,11 +143,13 @@ class Captioner:
     ``device``: torch device for both the extractor and the model (``auto`` = CUDA when present).
     ``beam``: beam width (default: the pipeline's evaluation beam stored in ``capflow.json``; 1 = greedy).
     ``batch_size``: images loaded, extracted and decoded together. ``cache_dir``: where remote detector weights
-    are downloaded (default ``CAPFLOW_WEIGHTS_CACHE`` or ``~/.cache/capflow/weights``).
+    are downloaded (default ``CAPFLOW_WEIGHTS_CACHE`` or ``~/.cache/capflow/weights``). ``precision``: the
+    captioning model's precision (:mod:`captioning.precision`: ``auto`` = bf16 on a CUDA device that supports it,
+    fp32 on CPUs; the extractor keeps its own ``features.extractor.amp`` setting).
     """
 
     def __init__(self, path: str | Path, *, device: str = "auto", beam: int | None = None, batch_size: int = 16,
-                 progress: bool = True, cache_dir: str | Path | None = None):
+                 progress: bool = True, cache_dir: str | Path | None = None, precision: str = "auto"):
         if batch_size < 1:
             raise CaptionerError(f"batch size must be >= 1, got {batch_size}")
         self.files = model_files(path)
@@ -161,6 +164,10 @@ class Captioner:
             self.device = resolve_device(device)
         except (ValueError, RuntimeError) as e:
             raise CaptionerError(f"device {device!r}: {e}") from None
+        try:
+            self.precision = resolve_precision(precision, self.device)
+        except ValueError as e:
+            raise CaptionerError(f"precision {precision!r}: {e}") from None
         try:
             self.vocab = Vocabulary.load(self.files.vocab)
         except (ValueError, KeyError, TypeError) as e:
@@ -220,6 +227,7 @@ class Captioner:
     def describe(self) -> dict[str, Any]:
         return {"model": str(self.files.folder), "student": self.meta.get("student"),
                 "preset": self.meta.get("preset"), "beam": self.beam, "device": str(self.device),
+                "precision": self.precision,
                 "random_detector": self.extractor.random_init, "warnings": self.warnings}
 
     # ------------------------------------------------------------------ captioning
@@ -268,7 +276,8 @@ class Captioner:
             nb[i] = len(x)
         rows = np.arange(n)
         caps = predict(self.model, MemoryFeatures(feats, boxes, nb, rows), rows, self.vocab, codec=self.codec,
-                       max_tokens=self.max_tokens, beam=self.beam, batch_size=n, device=self.device)
+                       max_tokens=self.max_tokens, beam=self.beam, batch_size=n, device=self.device,
+                       precision=self.precision)
         return [caps[i] for i in range(n)]
 
     def caption(self, files: Iterable[str | Path], progress: bool | None = None) -> CaptionResult:

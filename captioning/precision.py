@@ -46,12 +46,17 @@ def resolve_precision(precision: str, device: str | torch.device) -> str:
     return precision
 
 
-def autocast(precision: str, device: str | torch.device) -> contextlib.AbstractContextManager:
-    """The autocast context for ``precision`` on ``device`` (a no-op context for fp32 and on CPUs)."""
+def autocast(precision: str, device: str | torch.device, *, cache: bool = True) -> contextlib.AbstractContextManager:
+    """The autocast context for ``precision`` on ``device`` (a no-op context for fp32 and on CPUs).
+
+    ``cache=False`` for code that decodes (evaluation, SeqKD, SCST's sampling, captioning): decoding may replay
+    CUDA graphs (:mod:`captioning.decoding.graphs`), and a captured graph must not read autocast's cached
+    low-precision copies of the weights, which are freed when the context exits; without the cache the casts
+    are ordinary kernels, captured with the step."""
     p = resolve_precision(precision, device)
     if p == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast("cuda", dtype=DTYPES[p])
+    return torch.autocast("cuda", dtype=DTYPES[p], cache_enabled=cache)
 
 
 def grad_scaler(precision: str, device: str | torch.device) -> torch.amp.GradScaler:

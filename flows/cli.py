@@ -355,8 +355,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.name == "extract":
         from captioning.bench.extract import run as run_extract
 
-        result = run_extract(images=args.images or 48, preset=args.preset or "demo", overrides=tuple(args.overrides),
-                             threads=args.threads, workdir=args.tmp)
+        if args.device.startswith("cuda"):
+            from captioning.bench.extract import run_gpu
+
+            result = run_gpu(images=args.images or 1080, preset=args.preset or "coco",
+                             overrides=tuple(args.overrides), images_dir=args.images_dir, workdir=args.tmp,
+                             device=args.device)
+        else:
+            result = run_extract(images=args.images or 48, preset=args.preset or "demo",
+                                 overrides=tuple(args.overrides), threads=args.threads, workdir=args.tmp)
     elif args.name == "cider":
         from captioning.bench.cider import run as run_cider
 
@@ -407,7 +414,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
             uri = tracking_uri(_cfg(args))
         folder = resolve_model(args.model, uri)
         captioner = Captioner(folder, device=args.device, beam=args.beam, batch_size=args.batch_size,
-                              progress=not (args.json or args.no_progress))
+                              progress=not (args.json or args.no_progress), precision=args.precision)
     except ModelResolveError as e:
         hint = ""
         if registry and not (args.preset or args.config or os.environ.get("MLFLOW_TRACKING_URI")):
@@ -555,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--beam", type=int, help="beam width (default: the pipeline's evaluation.beam stored with the "
                     "model; 1 = greedy)")
     cp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cp.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                    help="captioning model precision on CUDA (auto: bf16 where supported; CPUs run fp32)")
     _config_args(cp)
     cp.set_defaults(func=cmd_caption)
 
@@ -566,7 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs; "
                    "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline")
     b.add_argument("--external", help="cider: folder of the external COCO material (default ../shared/external)")
-    b.add_argument("--device", default="cpu", help="decode: torch device (cpu, cuda)")
+    b.add_argument("--device", default="cpu", help="decode, train: torch device (cpu, cuda); extract: cuda runs "
+                   "the GPU benchmark (coco settings, image files -> Zarr, vs the reference path)")
+    b.add_argument("--images-dir", help="extract --device cuda: real images to replicate (default: synthetic)")
     b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
     b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
     b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo); "
@@ -605,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return func(args)
     except (ConfigError, DatasetError, StoreError, StackError, CLIError, UnsafePickleError) as e:
-        print(f"capflow {args.command}: error: {e}", file=sys.stderr)
+        from captioning.redact import redact
+
+        print(f"capflow {args.command}: error: {redact(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -25,19 +25,21 @@ from captioning.metrics.cider import CiderD
 from captioning.metrics.coco import score
 from captioning.metrics.diversity import caption_stats
 from captioning.models.params import count
+from captioning.precision import autocast
 
 
 def predict(model, source: FeatureSource, rows: np.ndarray, vocab: Vocabulary, *, codec: RadixCodec | None,
             max_tokens: int, beam: int = 3, batch_size: int = 50, device: str | torch.device = "cpu",
-            progress: bool = False, desc: str = "decoding") -> dict[int, str]:
-    """``{image id: caption}`` for the images of ``rows`` (beam 1 = greedy)."""
+            progress: bool = False, desc: str = "decoding", precision: str = "fp32") -> dict[int, str]:
+    """``{image id: caption}`` for the images of ``rows`` (beam 1 = greedy); ``precision``: see
+    :mod:`captioning.precision` (autocast on CUDA only; the search itself scores in float32)."""
     model.eval()
     out: dict[int, str] = {}
     n_batches = -(-len(rows) // batch_size)
     for b in tqdm(image_batches(source, rows, batch_size), total=n_batches, desc=desc, disable=not progress,
                   leave=False):
         b = b.to(device)
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(precision, device, cache=False):
             memory = model.encode(b.features.float(), b.boxes, b.region_mask)
             d = greedy(model, memory, max_len=max_tokens) if beam == 1 else \
                 beam_search(model, memory, beam=beam, max_len=max_tokens)
@@ -48,14 +50,15 @@ def predict(model, source: FeatureSource, rows: np.ndarray, vocab: Vocabulary, *
 
 def greedy_cider_validator(source: FeatureSource, rows: np.ndarray, references: Mapping[int, Sequence[str]],
                            vocab: Vocabulary, *, codec: RadixCodec | None, max_tokens: int, batch_size: int = 50,
-                           device: str | torch.device = "cpu") -> Callable[..., dict[str, float]]:
+                           device: str | torch.device = "cpu", precision: str = "fp32"
+                           ) -> Callable[..., dict[str, float]]:
     """A ``validate(model)`` callback: greedy captions of ``rows`` -> {"CIDEr": fast CIDEr-D} (df from the
     split's own references, as coco-caption computes it)."""
     cider = CiderD({k: list(v) for k, v in references.items()})
 
     def validate(model) -> dict[str, float]:
         caps = predict(model, source, rows, vocab, codec=codec, max_tokens=max_tokens, beam=1,
-                       batch_size=batch_size, device=device)
+                       batch_size=batch_size, device=device, precision=precision)
         mean, _ = cider.score({k: v for k, v in caps.items() if k in cider.references})
         return {"CIDEr": mean}
 
@@ -63,7 +66,7 @@ def greedy_cider_validator(source: FeatureSource, rows: np.ndarray, references: 
 
 
 def latency_ms(model, source: FeatureSource, rows: np.ndarray, *, max_tokens: int, beam: int = 3, images: int = 20,
-               device: str | torch.device = "cpu") -> float:
+               device: str | torch.device = "cpu", precision: str = "fp32") -> float:
     """Median wall time (ms) to caption one image (encode + beam search, batch 1) over ``images`` images."""
     model.eval()
     times = []
@@ -73,7 +76,7 @@ def latency_ms(model, source: FeatureSource, rows: np.ndarray, *, max_tokens: in
         if device != "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(precision, device, cache=False):
             memory = model.encode(b.features.float(), b.boxes, b.region_mask)
             if beam == 1:
                 greedy(model, memory, max_len=max_tokens)
@@ -90,10 +93,10 @@ def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: M
                    vocab: Vocabulary, *, codec: RadixCodec | None, max_tokens: int, beam: int = 3,
                    train_captions: Iterable[str] = (), params_convention: str = "full",
                    spice_jars: str | Path | None = None, latency_images: int = 20, batch_size: int = 50,
-                   device: str | torch.device = "cpu", progress: bool = False) -> dict:
+                   device: str | torch.device = "cpu", progress: bool = False, precision: str = "fp32") -> dict:
     """Predictions + metrics JSON of one model on one split (DESIGN.md "Metrics")."""
     preds = predict(model, source, rows, vocab, codec=codec, max_tokens=max_tokens, beam=beam,
-                    batch_size=batch_size, device=device, progress=progress)
+                    batch_size=batch_size, device=device, progress=progress, precision=precision)
     scored = score(preds, references, spice_jars=spice_jars)
     stats = caption_stats(preds, train_captions)
     return {
@@ -104,7 +107,7 @@ def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: M
         "params": count(model, params_convention),
         "params_convention": params_convention,
         "latency_ms": latency_ms(model, source, rows, max_tokens=max_tokens, beam=beam, images=latency_images,
-                                 device=device),
+                                 device=device, precision=precision),
         "novel_fraction": stats["novel_fraction"],
         "unique_fraction": stats["unique_fraction"],
         "avg_length": stats["avg_length"],

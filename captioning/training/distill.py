@@ -24,6 +24,7 @@ from captioning.data.stores import LabelStore, StoreError
 from captioning.data.text import RadixCodec, Vocabulary
 from captioning.decoding import beam_search, word_ids
 from captioning.metrics.cider import CiderD
+from captioning.precision import autocast
 from captioning.training.recipe import references, split_rows
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ class SeqKDReport:
 def generate_seqkd(teacher, source: FeatureSource, labels_uri: str, vocab: Vocabulary, *, name: str,
                    codec: RadixCodec | None = None, beam: int = 5, n_best: int = 1, max_words: int = 16,
                    batch_size: int = 50, split: str = "train", device: str | torch.device = "cpu",
-                   progress: bool = False) -> SeqKDReport:
-    """Decode ``split`` with ``teacher`` and append the captions to the label store as source ``name``."""
+                   progress: bool = False, precision: str = "fp32") -> SeqKDReport:
+    """Decode ``split`` with ``teacher`` and append the captions to the label store as source ``name``
+    (``precision``: see :mod:`captioning.precision`)."""
     store = LabelStore.open(labels_uri, mode="r+")
     labels = store.read()
     if name in labels.sources.values():
@@ -69,7 +71,7 @@ def generate_seqkd(teacher, source: FeatureSource, labels_uri: str, vocab: Vocab
     for b in tqdm(image_batches(source, rows, batch_size), total=n_batches, desc="SeqKD", disable=not progress,
                   leave=False):
         b = b.to(device)
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(precision, device, cache=False):
             memory = teacher.encode(b.features.float(), b.boxes, b.region_mask)
             d = beam_search(teacher, memory, beam=beam, max_len=max_tokens, n_best=n_best)
         for i, (r, iid) in enumerate(zip(b.rows.tolist(), b.image_ids.tolist(), strict=True)):

@@ -98,13 +98,14 @@ def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None)
     lo = cfg.loader
     return TrainSettings(epochs=epochs or xe.epochs, batch_size=lo.batch_size, schedule="noam",
                          noam_factor=xe.noam_factor, warmup=xe.warmup, label_smoothing=xe.label_smoothing,
-                         clip=xe.clip, workers=lo.workers, seed=cfg.run.seed)
+                         clip=xe.clip, workers=lo.workers, seed=cfg.run.seed, precision=cfg.run.precision,
+                         compile=cfg.run.compile)
 
 
 def scst_settings(scst: SCSTConfig, cfg: PipelineConfig) -> TrainSettings:
     lo = cfg.loader
     return TrainSettings(epochs=scst.epochs, batch_size=lo.batch_size, schedule="constant", lr=scst.lr,
-                         clip=None, workers=lo.workers, seed=cfg.run.seed + 1)
+                         clip=None, workers=lo.workers, seed=cfg.run.seed + 1, precision=cfg.run.precision)
 
 
 def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]:

@@ -66,6 +66,11 @@ class StageContext:
                    resolve_device(cfg.run.device), progress)
 
     @property
+    def precision(self) -> str:
+        """``run.precision`` (resolved against the device where it is used: see :mod:`captioning.precision`)."""
+        return self.cfg.run.precision
+
+    @property
     def labels(self) -> Labels:
         if self._labels is None:
             self._labels = LabelStore.open(self.labels_uri).read()
@@ -99,7 +104,8 @@ class StageContext:
     def validator(self, model: Captioner):
         codec = codec_for(model, self.vocab)
         return greedy_cider_validator(self.source, self.rows("val"), self.text_references("val"), self.vocab,
-                                      codec=codec, max_tokens=self.max_tokens(model), device=self.device)
+                                      codec=codec, max_tokens=self.max_tokens(model), device=self.device,
+                                      precision=self.precision)
 
 
 def fit_xe(ctx: StageContext, arch: ArchConfig, ckpt_dir: str | Path, *, settings: TrainSettings | None = None,
@@ -135,7 +141,7 @@ def seqkd(ctx: StageContext, teacher: Captioner, name: str) -> SeqKDReport:
         raise ValueError(f"SeqKD source {name!r} is already in {ctx.labels_uri}")
     rep = generate_seqkd(teacher, ctx.source, ctx.labels_uri, ctx.vocab, name=name, codec=codec_for(teacher, ctx.vocab),
                          beam=ctx.cfg.students.seqkd_beam, max_words=ctx.cfg.dataset.max_words,
-                         device=ctx.device, progress=ctx.progress)
+                         device=ctx.device, progress=ctx.progress, precision=ctx.precision)
     ctx.reload_labels()
     return rep
 
@@ -179,4 +185,4 @@ def evaluate(ctx: StageContext, model: Captioner, *, split: str = "test", arch_n
         model, ctx.source, ctx.rows(split), ctx.text_references(split), ctx.vocab, codec=codec_for(model, ctx.vocab),
         max_tokens=ctx.max_tokens(model), beam=ctx.cfg.evaluation.beam, train_captions=ctx.train_captions(),
         params_convention=params_convention(arch_name), spice_jars=ctx.cfg.evaluation.spice_jars,
-        latency_images=latency_images, device=ctx.device, progress=ctx.progress)
+        latency_images=latency_images, device=ctx.device, progress=ctx.progress, precision=ctx.precision)

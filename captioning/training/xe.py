@@ -146,7 +146,7 @@ def _dist_loss(wrapped: DistributedDataParallel, batch, rank: int, world: int, p
     empty = len(part) == 0
     if empty:
         part = ddp.slice_batch(batch, 0, 1)
-    with autocast(precision, batch.features.device):
+    with autocast(precision, batch.features.device, cache=False):
         out = wrapped(part)
     total, count = _sum_count(out, len(part))
     if empty:
@@ -180,10 +180,11 @@ class StepRunner:
         if s.compile and loss_fn is None and wrapped is None:
             fn = torch.compile(fn)
         self.fn = fn
+        self.cache_casts = loss_fn is None  # a custom loss (SCST) decodes: see captioning.precision.autocast
 
     def __call__(self, batch) -> torch.Tensor | float:
         if self.wrapped is None:
-            with autocast(self.precision, self.device):
+            with autocast(self.precision, self.device, cache=self.cache_casts):
                 loss = self.fn(self.model, batch)
             if isinstance(loss, tuple | list):
                 loss = loss[0] / torch.as_tensor(loss[1], device=loss[0].device).clamp(min=1)
