@@ -133,6 +133,19 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _capturing(device: torch.device):
+    """Around warm-up and capture: the graph's device, and autocast (if on) without its weight-cast cache - a
+    cast cached by the warm-up would be read, not recomputed, by the replays, and freed when the caller's
+    autocast region ends."""
+    with _on_device(device):
+        if device.type == "cuda" and torch.is_autocast_enabled(device.type):
+            with torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False):
+                yield
+        else:
+            yield
+
+
 def _on_side_stream(device: torch.device, fn) -> None:
     main = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
@@ -161,7 +174,7 @@ def graph_step(model, memory: Memory, positions: int) -> GraphStep:
     key = ("step", rows, regions, d, states.dtype, positions, str(device), _autocast_state(device))
     runner = entry["graphs"].get(key)
     if runner is None:
-        with _on_device(device):
+        with _capturing(device):
             runner = GraphStep(model, rows, regions, d, states.dtype, positions, device)
         _keep(entry["graphs"], key, runner)
     entry["graphs"].move_to_end(key)
@@ -219,7 +232,7 @@ def encode(model, features: torch.Tensor, boxes: torch.Tensor, region_mask: torc
            str(features.device), _autocast_state(features.device))
     runner = entry["graphs"].get(key)
     if runner is None:
-        with _on_device(features.device):
+        with _capturing(features.device):
             runner = GraphEncode(model, features, boxes, region_mask)
         _keep(entry["graphs"], key, runner)
     entry["graphs"].move_to_end(key)

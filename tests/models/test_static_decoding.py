@@ -299,6 +299,25 @@ def test_graph_encoder_equals_eager_on_cuda(name):
 
 
 @pytest.mark.gpu
+def test_graph_decoding_under_autocast():
+    """Captured under bf16 autocast, replayed in a later autocast region after the first one's memory was freed
+    and overwritten: the same captions (the captured casts are recomputed per replay, not cached)."""
+    model = _cuda_model("aic")
+    mem = _memory(model, 4, device="cuda")
+    outs = []
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs.append(greedy(model, mem, max_len=12, graphs=True))
+        torch.cuda.empty_cache()
+        torch.full((1 << 22,), float("nan"), device="cuda")  # reuse freed blocks
+    assert_same(outs[1], outs[0], {"atol": 0.0, "rtol": 0.0})
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = greedy(model, mem, max_len=12, graphs=False)
+    assert torch.isfinite(outs[0].logprobs).all()
+    assert torch.equal(outs[0].tokens[..., 0], ref.tokens[..., 0])  # same first words as eager bf16
+
+
+@pytest.mark.gpu
 def test_graph_decoding_under_training_mode_is_eager():
     model = _cuda_model("aic").train()
     mem = _memory(model, 2, device="cuda")
