@@ -4,7 +4,8 @@ Interface used by training and by every decoding algorithm (written once, in ``c
 - ``encode(features, boxes, region_mask) -> Memory``
 - ``forward(features, boxes, region_mask, inputs) -> log-probs (B, T, V)`` (teacher forcing)
 - ``decode_step(memory, tokens (B, K), cache) -> log-probs (B, K, V)``, with ``cache = model.new_cache()``;
-  ``cache=None`` recomputes the whole prefix (the uncached reference).
+  ``cache=None`` recomputes the whole prefix (the uncached reference); ``model.new_cache(static=True,
+  max_len=T, device=...)`` is the static-size cache (same numbers, fixed shapes and storage: CUDA graphs).
 
 Semi-autoregressive decoding (SATIC) with group size K: the target sequence y = [w_1..w_T, EOS] is produced
 K tokens per step. Decoder input position i holds y_{i-K} (the K start symbols are BOS), and the relaxed mask
