@@ -189,10 +189,25 @@ class EvalConfig(Section):
 
 class TrackingConfig(Section):
     tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; unset = MLFLOW_TRACKING_URI or a local SQLite store in workdir"
+        None, description="MLflow tracking URI; unset = MLFLOW_TRACKING_URI or a local SQLite store in workdir. "
+        "No credentials here: MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
     )
     experiment: str | None = Field(None, description="MLflow experiment; unset = run.name")
     model_name: str = Field("capflow-captioner", description="Registered model the students are versions of")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        from captioning.redact import has_credentials, redact
+
+        if v is not None and has_credentials(v):
+            raise ValueError(
+                f"credentials in the tracking URI ({redact(v)}) are refused: a config is written to MLflow, the "
+                "run's config.yaml and Prefect's database. Give the URI without them and pass the credentials "
+                "through the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN)"
+            )
+        return v
 
 
 class PipelineConfig(Section):
@@ -246,7 +261,9 @@ def _read_yaml(text: str, origin: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{origin}: not valid YAML: {e}") from e
+        from captioning.redact import redact
+
+        raise ConfigError(redact(f"{origin}: not valid YAML: {e}")) from None  # the snippet may hold a secret
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -293,7 +310,9 @@ def _format_errors(err: ValidationError, origin: str) -> str:
             lines.append(f"unknown key '{key}'")
         else:
             lines.append(f"'{key}': {e['msg']} (got {e.get('input')!r})")
-    return f"{origin}: invalid configuration:\n  " + "\n  ".join(lines)
+    from captioning.redact import redact
+
+    return redact(f"{origin}: invalid configuration:\n  " + "\n  ".join(lines))  # the input may hold a secret
 
 
 def load_config(

@@ -26,7 +26,7 @@ from tasks.cache import StageCache, code_version
 from tasks.common import RunContext
 from tasks.data import extract_task, ingest_task, vocab_task
 from tasks.report import leaderboard_task, promote_task
-from tasks.tracking import Tracker
+from tasks.tracking import Tracker, config_yaml
 from tasks.training import seqkd_task, student_task, teacher_task
 
 log = logging.getLogger("capflow.pipeline")
@@ -100,7 +100,7 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
                                              "config_digest": cfg.digest(), "code_version": code_version(),
                                              "capflow.preset_name": cfg.run.name})
     tracker.params(parent, cfg.model_dump(mode="json"))
-    tracker.text_artifact(parent, "config.yaml", _yaml(cfg))
+    tracker.text_artifact(parent, "config.yaml", config_yaml(cfg))  # credentials redacted
     rc = RunContext(cfg, tracker, parent, StageCache(cfg.workdir),
                     progress=sys.stderr.isatty() if progress is None else progress)
     try:
@@ -126,7 +126,7 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
     tracker.end(parent, "FINISHED")
     summary = {
         "mlflow_run_id": parent,
-        "tracking_uri": tracker.uri,
+        "tracking_uri": tracker.display_uri,  # credentials (from MLFLOW_TRACKING_URI) masked
         "experiment_id": tracker.experiment_id,
         "leaderboard": [{"student": r["student"], "preset": r["preset"], "metrics": r["metrics"],
                          "params": r["params"], "latency_ms": r["latency_ms"], "model_version": r["model_version"]}
@@ -139,8 +139,3 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
     }
     return summary
 
-
-def _yaml(cfg: PipelineConfig) -> str:
-    from captioning.config import dump_yaml
-
-    return dump_yaml(cfg)

@@ -28,6 +28,11 @@ MODEL_FILES = (MODEL_FILE, VOCAB_FILE, META_FILE)
 class ModelResolveError(RuntimeError):
     """A model reference that does not lead to a model folder: says what was asked, where, and what to do."""
 
+    def __init__(self, message: str):
+        from captioning.redact import redact
+
+        super().__init__(redact(message))  # the tracking URI (MLFLOW_TRACKING_URI) may hold credentials
+
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("CAPFLOW_MODEL_CACHE", "~/.cache/capflow/models")).expanduser()

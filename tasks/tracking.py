@@ -4,7 +4,9 @@ Prefect runs tasks in worker threads).
 Where runs go: ``MLFLOW_TRACKING_URI`` when set, else ``tracking.tracking_uri``, else the embedded default - a
 SQLite file ``<workdir>/mlflow.db`` with artifacts under ``<workdir>/mlartifacts`` (no server needed; ``mlflow ui
 --backend-store-uri sqlite:///<workdir>/mlflow.db`` shows them). Transient tracking errors are retried with
-backoff. Parameters are the flattened config; nothing that looks like a credential is ever logged.
+backoff. Parameters are the flattened config; nothing that looks like a credential is ever logged: params, tags,
+text artifacts (``config.yaml``) and warnings all go through :mod:`captioning.redact` (credentials belong in the
+environment: ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, ``AWS_*``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,11 +25,10 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunT
 from mlflow.exceptions import MlflowException
 
 from captioning.config import PipelineConfig
+from captioning.redact import SECRET_KEY, redact, redact_obj
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_SECRET = re.compile(r"(secret|password|passwd|token|credential|access_key|api_key)", re.I)
-_URL_PASSWORD = re.compile(r"(://[^/:@\s]*:)[^/@\s]+@")  # scheme://user:PASSWORD@host -> scheme://user:***@host
 PARENT_TAG = "mlflow.parentRunId"
 # MLflow writes "View run ... at: URL" lines to stdout when a run ends on a tracking server; capflow's stdout is
 # its own output (``--json`` documents), so those links are left out (the CLI prints where the runs are).
@@ -51,12 +51,22 @@ def retry(fn: Callable[[], T], what: str, attempts: int = 4, base_delay: float =
         except (MlflowException, OSError, ConnectionError) as e:
             transient = not isinstance(e, MlflowException) or getattr(e, "error_code", "") in (
                 "TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED") or "connect" in str(e).lower()
-            if not transient or i == attempts - 1:
-                raise RuntimeError(f"MLflow {what} failed: {e}") from e
-            delay = base_delay * 2**i
-            log.warning("MLflow %s failed (%s); retrying in %.1fs", what, e, delay)
-            time.sleep(delay)
+            failure, final = f"{type(e).__name__}: {redact(e)}", not transient or i == attempts - 1
+        # Outside the handler on purpose: MLflow's exception text may hold the tracking URI with its credentials,
+        # so it is neither chained to the error nor the "current exception" a failing log handler would print.
+        if final:
+            raise RuntimeError(f"MLflow {what} failed: {failure}")
+        delay = base_delay * 2**i
+        log.warning("MLflow %s failed (%s); retrying in %.1fs", what, failure, delay)
+        time.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def config_yaml(cfg: PipelineConfig) -> str:
+    """The ``config.yaml`` artifact: the whole config as YAML, credentials redacted."""
+    import yaml
+
+    return yaml.safe_dump(redact_obj(cfg.model_dump(mode="json")), sort_keys=False, default_flow_style=False)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -64,13 +74,13 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if _SECRET.search(key):
+        if SECRET_KEY.search(key):
             continue
         if isinstance(v, Mapping):
             out.update(flatten(v, key + "."))
         else:
             s = json.dumps(v) if isinstance(v, list | tuple | bool) or v is None else str(v)
-            out[key] = _URL_PASSWORD.sub(r"\1***@", s)[:MAX_PARAM]
+            out[key] = redact(s)[:MAX_PARAM]
     return out
 
 
@@ -80,6 +90,7 @@ class Tracker:
     def __init__(self, cfg: PipelineConfig):
         self.cfg = cfg
         self.uri = tracking_uri(cfg)
+        self.display_uri = redact(self.uri)  # what may be printed, logged or stored
         if self.uri.startswith("sqlite:///"):
             cfg.workdir.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(self.uri)
@@ -98,7 +109,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ runs
     def start(self, name: str, parent: str | None = None, tags: Mapping[str, Any] | None = None) -> str:
-        t = {k: str(v) for k, v in (tags or {}).items()}
+        t = {k: redact(v) for k, v in (tags or {}).items() if not SECRET_KEY.search(k)}
         if parent:
             t[PARENT_TAG] = parent
         run = retry(lambda: self.client.create_run(self.experiment_id, run_name=name, tags=t), f"create run {name}")
@@ -114,7 +125,7 @@ class Tracker:
             retry(lambda c=chunk: self.client.log_batch(run_id, params=c), "log params")
 
     def tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
-        items = [RunTag(k, str(v)) for k, v in tags.items() if not _SECRET.search(k)]
+        items = [RunTag(k, redact(v)) for k, v in tags.items() if not SECRET_KEY.search(k)]
         retry(lambda: self.client.log_batch(run_id, tags=items), "set tags")
 
     def metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0, prefix: str = "") -> None:
@@ -127,8 +138,8 @@ class Tracker:
     def dataset(self, run_id: str, name: str, digest: str, source: str, context: str,
                 profile: Mapping[str, Any] | None = None) -> None:
         """An input of the run as an MLflow dataset with an explicit digest (metadata only)."""
-        ds = Dataset(name=name, digest=digest[:36], source_type="capflow", source=json.dumps({"uri": source}),
-                     profile=json.dumps(dict(profile or {}), default=str))
+        ds = Dataset(name=name, digest=digest[:36], source_type="capflow", source=json.dumps({"uri": redact(source)}),
+                     profile=json.dumps(redact_obj(dict(profile or {})), default=str))
         retry(lambda: self.client.log_inputs(run_id, [DatasetInput(ds, [InputTag("mlflow.data.context", context)])]),
               f"log input {name}")
 
@@ -142,13 +153,13 @@ class Tracker:
     def json_artifact(self, run_id: str, name: str, obj: Any, artifact_path: str | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             p = Path(tmp) / name
-            p.write_text(json.dumps(obj, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
+            p.write_text(redact(json.dumps(obj, indent=2, default=str, ensure_ascii=False)), encoding="utf-8")
             self.artifact(run_id, p, artifact_path)
 
     def text_artifact(self, run_id: str, name: str, text: str, artifact_path: str | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             p = Path(tmp) / name
-            p.write_text(text, encoding="utf-8")
+            p.write_text(redact(text), encoding="utf-8")
             self.artifact(run_id, p, artifact_path)
 
     def history(self, run_id: str, rows: Iterable[Mapping[str, Any]], prefix: str = "") -> None:
