@@ -377,6 +377,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         names = args.presets.split(",") if args.presets else None
         result = run_decode(names=names, repeats=args.repeats or 5, device=args.device, threads=args.threads_decode)
+    elif args.name == "train":
+        from captioning.bench.train import run as run_train
+
+        result = run_train(families=args.presets.split(",") if args.presets else None, device=args.device,
+                           batch=args.batch_size, steps=args.repeats, precision=args.precision,
+                           compile=args.compile, quick=args.quick)
     elif args.name == "learning":
         from captioning.bench.learning import run as run_learning
 
@@ -569,11 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
-    b.add_argument("name", choices=["loader", "extract", "decode", "cider", "learning"],
+    b.add_argument("name", choices=["loader", "extract", "decode", "cider", "learning", "train"],
                    help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
                    "decode: greedy latency/throughput of every architecture vs AIC; "
                    "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs; "
-                   "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline")
+                   "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline; "
+                   "train: XE/SCST images/s of every family at paper size, fast path vs fp32 eager")
     b.add_argument("--external", help="cider: folder of the external COCO material (default ../shared/external)")
     b.add_argument("--device", default="cpu", help="decode, train: torch device (cpu, cuda); extract: cuda runs "
                    "the GPU benchmark (coco settings, image files -> Zarr, vs the reference path)")
@@ -594,6 +601,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, help="timed passes (loader default 2, decode default 5)")
     b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
+    b.add_argument("--quick", action="store_true", help="train: small models and batches (a quick CPU check)")
+    b.add_argument("--compile", action="store_true", help="train: add torch.compile'd XE rows")
+    b.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="train: precision of the fast path (auto: bf16 on CUDA where supported)")
     b.set_defaults(func=cmd_bench)
 
     from flows.platform_cli import add_commands
