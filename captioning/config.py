@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
@@ -27,9 +27,28 @@ class Section(BaseModel):
     # numbers given for text settings (--set run.name=2024) are taken as text
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """``run.seed=true`` is a mistake, not the number 1 (pydantic would take a boolean for an int)."""
+        if isinstance(v, bool) and info.field_name is not None:
+            ann = cls.model_fields[info.field_name].annotation
+            if ann in (int, float, int | None, float | None):
+                raise ValueError(f"expected a number, got the boolean {str(v).lower()}")
+        return v
+
 
 class RunConfig(Section):
     workdir: str = Field(".capflow", description="Root folder for stores, caches and artifacts of runs")
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_given(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("run.workdir is empty: give a folder (e.g. .capflow) or leave the setting out")
+        if "\0" in v:
+            raise ValueError("run.workdir holds a NUL byte")
+        return v
     name: str = Field("capflow", description="Name of this pipeline (MLflow experiment name)")
     seed: int = Field(0, description="Global random seed (data shuffling, initialisation, sampling)")
     parallel_students: int = Field(
@@ -327,9 +346,19 @@ def load_config(
         data, origin = preset_dict(preset), f"preset {preset}"
     elif path:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a folder: give a YAML file (capflow config show PRESET "
+                              "prints one to start from)")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        data, origin = _read_yaml(p.read_text(encoding="utf-8"), str(p)), str(p)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}): save it as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+        data, origin = _read_yaml(text, str(p)), str(p)
     for item in overrides:
         keys, value = parse_override(item)
         _set_path(data, keys, value, item)

@@ -33,6 +33,18 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-scst", action="store_true", help="skip SCST fine-tuning")
 
 
+def parse_students(text: str | None) -> list[str] | None:
+    """``--students a,b`` -> ["a", "b"]; not given -> None (the config's students.names). Given but naming no
+    student (``--students ""``, ``--students ,``) is an error, not "all of them"."""
+    if text is None:
+        return None
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise CLIError(f"--students {text!r} names no student: give comma-separated names (e.g. --students "
+                       "acort,lw) or leave --students out to train students.names of the config")
+    return names
+
+
 def _cfg(args: argparse.Namespace) -> PipelineConfig:
     return load_config(args.preset, args.config, args.overrides)
 
@@ -270,7 +282,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     from flows.pipeline import build_config, pipeline
 
-    students = args.students.split(",") if args.students else None
+    students = parse_students(args.students)
     try:
         cfg = build_config(args.preset or ("demo" if not args.config else None), args.config, args.overrides,
                            students, not args.no_scst)
@@ -332,10 +344,16 @@ def cmd_params(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from captioning.metrics.coco import EvaluationInputError, evaluate_files
 
+    for flag, path in (("--results", args.results), ("--references", args.references)):
+        if path and Path(path).is_dir():
+            raise CLIError(f"{flag} {path} is a folder, not a JSON file: give the file itself")
     try:
         res = evaluate_files(args.results, args.references, spice_jars=args.spice_jars)
     except (EvaluationInputError, FileNotFoundError) as e:
         raise CLIError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"cannot read --results {args.results} / --references {args.references}: "
+                       f"{type(e).__name__}: {e}") from None
     if args.json:
         _print_json(res)
     else:

@@ -65,10 +65,11 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows.cli import parse_students
     from flows.deployments import deploy
     from flows.pipeline import build_config
 
-    students = args.students.split(",") if args.students else None
+    students = parse_students(args.students)  # a CLIError (exit 2) when it names no student
     preset = args.preset or ("demo" if not args.config else None)
     try:  # the same validation as a run, before anything is registered
         build_config(preset, args.config, args.overrides, students, not args.no_scst)
