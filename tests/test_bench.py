@@ -1,4 +1,7 @@
 import json
+import math
+
+import pytest
 
 from captioning.bench.loader import run
 from flows.cli import main
@@ -66,3 +69,51 @@ def test_bench_learning_cli_json_small(capsys, tmp_path):
     assert out["seqkd"]["captions"] == out["splits"]["train"]
     worst = min(m["xe"]["CIDEr"] for m in out["models"].values())
     assert out["ratios"]["xe_vs_baseline_min"] == worst / max(out["baseline_cider"], 1e-9)
+
+
+def test_bench_train_rows_and_ratios():
+    """The train bench at quick size on CPU: both paths per family and stage, the batch-size rows, consistent
+    numbers (no timing is asserted), and on a CPU both paths compute the same XE loss (fp32 either way)."""
+    from captioning.bench.train import run as run_train
+
+    res = run_train(families=["aic", "acort"], quick=True, steps=1, warmup=1, memory_batches=(4,))
+    assert res["bench"] == "train" and res["machine"]["device"] == "cpu"
+    assert {"python", "cpus", "torch"} <= res["machine"].keys()
+    assert res["params"]["precision"] == "fp32" and res["params"]["batch"] == 8
+    got = [(r["family"], r["stage"], r["path"], r["batch"]) for r in res["rows"]]
+    per_family = [("xe", "fp32_eager", 8), ("xe", "fast", 8), ("scst", "fp32_eager", 8), ("scst", "fast", 8)]
+    assert got == [("aic", *k) for k in per_family] + [("aic", "xe", "fast", 4)] + [("acort", *k) for k in per_family]
+    for r in res["rows"]:
+        assert r["steps"] == 1 and r["seconds"] > 0 and r["precision"] == "fp32" and r["memory_peak_mb"] is None
+        assert r["images_per_s"] == pytest.approx(r["batch"] / r["seconds"], rel=1e-12)
+        assert r["attention"] == ("explicit" if r["path"] == "fp32_eager" else "fused")
+        assert math.isfinite(r["loss"])
+        tokens = r["tokens_per_s"] * r["seconds"]
+        assert tokens == pytest.approx(round(tokens), abs=1e-6)
+        per_word = 2 if r["family"] == "acort" else 1  # radix digits per word
+        if r["stage"] == "xe":  # captions of 5..8 words + EOS
+            assert r["captions"] == 2 and r["layers"] == "2+2" and r["d_model"] == 64
+            assert r["batch"] * 2 * (5 * per_word + 1) <= round(tokens) <= r["batch"] * 2 * (8 * per_word + 1)
+        else:  # 2 samples per image, each 1..max_tokens rewarded tokens
+            assert r["captions"] == 2 and r["batch"] * 2 <= round(tokens) <= r["batch"] * 2 * (8 * per_word + 1)
+    rows = {(r["family"], r["stage"], r["path"], r["batch"]): r for r in res["rows"]}
+    for fam in ("aic", "acort"):
+        a, f = rows[(fam, "xe", "fp32_eager", 8)], rows[(fam, "xe", "fast", 8)]
+        assert f["loss"] == pytest.approx(a["loss"], abs=1e-4)  # same model, same batch, same step
+        for stage in ("xe", "scst"):
+            ratio = rows[(fam, stage, "fast", 8)]["images_per_s"] / rows[(fam, stage, "fp32_eager", 8)]["images_per_s"]
+            assert res["ratios"][f"{stage}_speedup_vs_fp32_eager_{fam}"] == pytest.approx(ratio, rel=1e-12)
+    assert res["ratios"]["speedup_vs_fp32_eager"] == res["ratios"]["xe_speedup_vs_fp32_eager_aic"]
+    assert res["ratios"]["scst_speedup_vs_fp32_eager"] == res["ratios"]["scst_speedup_vs_fp32_eager_aic"]
+    assert all(v > 0 for v in res["ratios"].values())
+
+
+def test_bench_train_cli_json(capsys):
+    rc = main(["bench", "train", "--json", "--quick", "--presets", "satic", "--repeats", "1", "--batch-size", "4"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bench"] == "train" and out["params"]["families"] == ["satic"] and out["params"]["batch"] == 4
+    assert {(r["stage"], r["path"]) for r in out["rows"] if r["batch"] == 4} == {
+        ("xe", "fp32_eager"), ("xe", "fast"), ("scst", "fp32_eager"), ("scst", "fast")}
+    assert out["rows"][0]["preset"] == "satic-k4"
+    assert set(out["ratios"]) >= {"speedup_vs_fp32_eager", "scst_speedup_vs_fp32_eager"}
