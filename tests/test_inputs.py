@@ -85,3 +85,93 @@ def test_evaluate_with_a_folder_is_a_clear_error(capsys, tmp_path):
     assert rc == 2 and out == "" and f"--results {tmp_path} is a folder" in err
     rc, out, err = run(capsys, "evaluate", "--results", str(refs), "--references", str(tmp_path))
     assert rc == 2 and f"--references {tmp_path} is a folder" in err
+
+
+# ---------------------------------------------------------------------- ingest (findings 7, 8, 9)
+def _dataset(synthetic_small, tmp_path, edit) -> list[str]:
+    """A copy of the small synthetic dataset, ``edit(entries, images_root)`` applied; the ingest overrides."""
+    import shutil
+
+    root = tmp_path / "ds"
+    shutil.copytree(synthetic_small, root)
+    ann = root / "dataset.json"
+    d = json.loads(ann.read_text(encoding="utf-8"))
+    edit(d["images"], root / "images")
+    ann.write_text(json.dumps(d), encoding="utf-8")
+    return [f"run.workdir={tmp_path / 'work'}", f"dataset.annotations={ann}", f"dataset.images={root / 'images'}",
+            "dataset.max_reject_fraction=0.5"]
+
+
+def _ingest(overrides):
+    from captioning.data.prepare import ingest
+
+    return ingest(load_config("tiny", overrides=overrides))
+
+
+def test_a_dataset_without_a_test_split_fails_at_ingest(synthetic_small, tmp_path, capsys):
+    from captioning.data.karpathy import DatasetError
+
+    def no_test(entries, _):
+        for e in entries:
+            if e["split"] == "test":
+                e["split"] = "train"
+
+    over = _dataset(synthetic_small, tmp_path, no_test)
+    with pytest.raises(DatasetError, match=r"no usable images in the test split \(usable images per split: "
+                                           r"train \d+, val \d+, test 0\)"):
+        _ingest(over)
+    rc, _, err = run(capsys, "ingest", "--preset", "tiny", *[x for o in over for x in ("--set", o)])
+    assert rc == 2 and "test split" in err
+
+
+def test_a_symlink_leaving_the_images_root_is_refused(synthetic_small, tmp_path):
+    outside = tmp_path / "secret.jpg"
+
+    def link(entries, images):
+        e = entries[0]
+        target = images / e["filepath"] / e["filename"] if e.get("filepath") else images / e["filename"]
+        outside.write_bytes(target.read_bytes())  # a valid image, so only where it lives is wrong
+        target.unlink()
+        target.symlink_to(outside)
+        link.image_id = e["cocoid"]
+
+    over = _dataset(synthetic_small, tmp_path, link)
+    ds = _ingest(over)
+    assert link.image_id not in {e.image_id for e in ds.images}
+    (r,) = [r for r in ds.rejected if r.image_id == link.image_id]
+    assert "outside the images root" in r.reason and str(outside) in r.reason
+
+
+def test_a_symlink_inside_the_images_root_is_fine(synthetic_small, tmp_path):
+    def link(entries, images):
+        e = entries[0]
+        target = images / e["filepath"] / e["filename"] if e.get("filepath") else images / e["filename"]
+        moved = images / "elsewhere" / target.name
+        moved.parent.mkdir()
+        target.rename(moved)
+        target.symlink_to(moved)
+
+    ds = _ingest(_dataset(synthetic_small, tmp_path, link))
+    assert not ds.rejected
+
+
+def test_lone_surrogate_caption_is_dropped_with_a_reason(synthetic_small, tmp_path):
+    def surrogate(entries, _):
+        entries[0]["sentences"][0]["raw"] = "a dog \ud800 on grass"
+        entries[0]["sentences"][0]["tokens"] = ["a", "dog", "\ud800"]
+        surrogate.image_id = entries[0]["cocoid"]
+
+    ds = _ingest(_dataset(synthetic_small, tmp_path, surrogate))
+    assert any(r.image_id == surrogate.image_id and "lone surrogate" in r.reason for r in ds.dropped_captions)
+    ds.save(tmp_path / "normalised.json")  # writes as UTF-8 without an encoding error
+
+
+def test_nul_byte_in_a_file_name_is_a_clear_error(synthetic_small, tmp_path, capsys):
+    from captioning.data.karpathy import DatasetError
+
+    def nul(entries, _):
+        entries[3]["filename"] = "bad\x00name.jpg"
+
+    over = _dataset(synthetic_small, tmp_path, nul)
+    with pytest.raises(DatasetError, match=r"images\[3\] file name .* holds a NUL byte"):
+        _ingest(over)

@@ -219,8 +219,27 @@ def check_image_bytes(data: bytes, mode: str) -> str | None:
     return None
 
 
-def _check_file(path: Path, mode: str, cache: FileHashCache) -> tuple[int, str, str | None]:
-    """(size, sha256, reason or None). Reads the file once for both the hash and the check."""
+def _encodable(text: str) -> bool:
+    """False for text that cannot be written as UTF-8 (lone surrogates such as ``\\ud800``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_file(path: Path, mode: str, cache: FileHashCache,
+                root: Path | None = None) -> tuple[int, str, str | None]:
+    """(size, sha256, reason or None). Reads the file once for both the hash and the check. With ``root`` (the
+    resolved images root), a file that resolves outside it (through a symlink) is refused, not read."""
+    if root is not None:
+        try:
+            real = path.resolve()
+        except (OSError, RuntimeError) as e:  # e.g. a symlink loop
+            return -1, "", f"image path cannot be resolved: {e}"
+        if not real.is_relative_to(root):
+            return -1, "", (f"image file leads outside the images root (a symlink to {real}): refused; copy the "
+                            "file into the root, or set dataset.images to a folder that holds it")
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -311,6 +330,9 @@ def read_karpathy(
         if not isinstance(filepath, str):
             raise DatasetError(f"{path}: images[{idx}].filepath must be a string")
         rel = f"{filepath}/{filename}" if filepath else filename
+        if "\0" in rel or not _encodable(rel):
+            raise DatasetError(f"{path}: images[{idx}] file name {rel!r} holds a NUL byte or invalid Unicode "
+                               "(a lone surrogate): fix the entry's filepath/filename")
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise DatasetError(f"{path}: images[{idx}] file {rel!r} must be relative to the images root")
         split = _require(entry, "split", idx, path, (str,))
@@ -340,9 +362,14 @@ def read_karpathy(
                 dropped.append(Rejection(idx, image_id, rel, "sentence is not an object", sid))
                 continue
             text = sent.get("raw")
+            if isinstance(text, str) and not _encodable(text):
+                dropped.append(Rejection(idx, image_id, rel, "caption is invalid Unicode (a lone surrogate such "
+                                         "as \\ud800)", sid))
+                continue
             if isinstance(text, str):
                 toks = tokenize(text, max_words)
-            elif isinstance(sent.get("tokens"), list) and all(isinstance(t, str) for t in sent["tokens"]):
+            elif isinstance(sent.get("tokens"), list) and all(isinstance(t, str) and _encodable(t)
+                                                              for t in sent["tokens"]):
                 toks = tokenize(" ".join(sent["tokens"]), max_words)
             else:
                 dropped.append(Rejection(idx, image_id, rel, "sentence has neither 'raw' text nor 'tokens'", sid))
@@ -364,7 +391,8 @@ def read_karpathy(
             raise DatasetError(f"images root {root} is not a folder")
         cache = FileHashCache(hash_cache)
         with ThreadPoolExecutor(max_workers=hash_workers) as pool:
-            results = pool.map(lambda c: _check_file(root / c[1].file, image_check, cache), candidates)
+            real_root = root.resolve()
+            results = pool.map(lambda c: _check_file(root / c[1].file, image_check, cache, real_root), candidates)
             results = list(
                 tqdm(results, total=len(candidates), desc="checking images", disable=not progress, unit="img")
             )

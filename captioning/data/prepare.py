@@ -48,11 +48,20 @@ def ingest(cfg: PipelineConfig, progress: bool = False) -> Dataset:
         ann, images = synthetic_dataset(cfg, progress)
     else:
         ann, images = Path(d.annotations), (Path(d.images) if d.images else None)
-    return read_karpathy(
+    ds = read_karpathy(
         ann, images, max_words=d.max_words, restval_split=d.restval_split, image_check=d.image_check,
         max_reject_fraction=d.max_reject_fraction, hash_workers=d.hash_workers,
         hash_cache=cfg.workdir / "cache" / "file_hashes.json", progress=progress,
     )
+    counts = {s: len(ds.split(s)) for s in ("train", "val", "test")}
+    missing = [s for s in ("train", "val", "test") if not counts.get(s)]
+    if missing:  # the pipeline validates on val and scores on test: fail now, not after extraction and training
+        raise DatasetError(
+            f"{ann}: no usable images in the {' and '.join(missing)} split{'s' if len(missing) > 1 else ''} "
+            f"(usable images per split: {', '.join(f'{s} {counts.get(s, 0)}' for s in ('train', 'val', 'test'))}). "
+            "capflow trains on train, validates on val and scores on test: give every split images (Karpathy "
+            "'split' field; dataset.restval_split moves 'restval' images)")
+    return ds
 
 
 @dataclass

@@ -235,13 +235,14 @@ def test_real_digest_stable_and_content_sensitive(karpathy_test, tmp_path: Path)
 
 # ---------------------------------------------------------------------- real excerpt + real JPEGs
 def excerpt_root(external: Path, root: Path) -> tuple[Path, dict]:
-    """Images root in the excerpt's ``filepath/filename`` layout, symlinked to the flat external/images/."""
+    """Images root in the excerpt's ``filepath/filename`` layout, copied from the flat external/images/ (copies,
+    not symlinks: ingest refuses files that lead outside the images root)."""
     ann = external / "bu_features" / "dataset_coco_excerpt.json"
     doc = json.loads(ann.read_text())
     for e in doc["images"]:
-        link = root / e["filepath"] / e["filename"]
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(external / "images" / e["filename"])
+        dst = root / e["filepath"] / e["filename"]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(external / "images" / e["filename"], dst)
     return ann, doc
 
 
