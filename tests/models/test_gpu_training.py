@@ -1,0 +1,182 @@
+"""CUDA: reduced-precision training steps and fused attention on the GPU (``gpu`` marker: `make test-gpu`).
+
+Tolerances (documented here, asserted below):
+- fp32, fused vs explicit attention on CUDA: 1e-4 on log-probs (the GPU kernels reduce in other orders than the
+  CPU's; the CPU tests in test_attention.py hold 1e-5), greedy tokens equal;
+- bf16 autocast, fused attention vs the fp32 explicit path: log-probs within 0.1 (max) and 0.02 (mean absolute
+  difference). bf16 keeps 8 bits of mantissa (relative rounding 2^-9 per operation); measured with CPU bf16
+  autocast on the tiny presets: max 0.044, mean 0.010.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captioning.decoding import greedy
+from captioning.models.layers import MultiHeadAttention, explicit_attention
+from captioning.models.registry import PRESETS
+from captioning.precision import autocast, resolve_precision
+from captioning.training import checkpoint
+from captioning.training.xe import StepRunner, TrainSettings, make_optimizer, train
+from tests.models.test_attention import _targets
+from tests.models.test_models import inputs, tiny
+from tests.training.test_xe import _dataset, _model, data  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
+BF16_MAX, BF16_MEAN = 0.1, 0.02
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """Plain fp32 matrix products (TF32 would round to 10 bits of mantissa)."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _bf16() -> None:
+    try:
+        resolve_precision("bf16", CUDA)
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def _on_cuda(*tensors):
+    return [t.to(CUDA) for t in tensors]
+
+
+def _step_runner(model, precision: str, **kw) -> StepRunner:
+    s = TrainSettings(batch_size=6, warmup=5, precision=precision, **kw)
+    opt, sched = make_optimizer(model, s, 4)
+    return StepRunner(model, opt, sched, s, CUDA)
+
+
+def _batch(d):
+    from captioning.data.loader import collate
+
+    ds = _dataset(d)
+    return next(iter(torch.utils.data.DataLoader(ds, batch_size=6, collate_fn=collate))).to(CUDA)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_steps_train_fp32_weights(precision, data):  # noqa: F811
+    if precision == "bf16":
+        _bf16()
+    model = _model().to(CUDA).train()
+    runner = _step_runner(model, precision)
+    assert runner.precision == precision
+    assert runner.scaler.is_enabled() == (precision == "fp16")  # fp16 needs the gradient scaler, bf16 does not
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = _batch(data)
+    losses = [runner(batch) for _ in range(3)]
+    assert all(v.dtype == torch.float64 and v.device.type == "cuda" for v in losses)
+    assert all(torch.isfinite(v) for v in losses) and float(losses[-1]) < float(losses[0]) + 1.0
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+    assert changed  # the optimizer stepped
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+    for st in runner.opt.state.values():
+        assert all(t.dtype == torch.float32 for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    if precision == "fp16":
+        assert 0 < runner.scaler.get_scale() < float("inf")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_train_on_cuda_writes_fp32_checkpoints(precision, data, tmp_path):  # noqa: F811
+    if precision == "bf16":
+        _bf16()
+    model = _model()
+    s = TrainSettings(epochs=2, batch_size=6, warmup=5, label_smoothing=0.1, precision=precision, log_every=2)
+    r = train(model, _dataset(data), s, tmp_path, device="cuda", progress=False)
+    assert r.epochs_run == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in r.history)
+    st = checkpoint.load(tmp_path / "last.pt")
+    assert all(v.dtype == torch.float32 for v in st["state_dict"].values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fused_equals_explicit_on_cuda_fp32(name):
+    model = tiny(name).to(CUDA)
+    feats, boxes, mask = _on_cuda(*inputs())
+    x, _ = model.teacher_inputs(_targets(model).to(CUDA))
+    with torch.no_grad():
+        fused = model(feats, boxes, mask, x)
+        with explicit_attention():
+            ref = model(feats, boxes, mask, x)
+        torch.testing.assert_close(fused, ref, **FP32_TOL)
+        mem = model.encode(feats, boxes, mask)
+    k = model.group_size
+    max_len = 12 if k == 1 else 6 * k
+    got = greedy(model, mem, max_len=max_len, static_cache=True, graphs=False)
+    with explicit_attention():
+        want = greedy(model, mem, max_len=max_len, static_cache=True, graphs=False)
+    assert torch.equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fused_bf16_is_close_to_explicit_fp32_on_cuda(name):
+    _bf16()
+    model = tiny(name).to(CUDA)
+    feats, boxes, mask = _on_cuda(*inputs())
+    x, _ = model.teacher_inputs(_targets(model).to(CUDA))
+    with torch.no_grad():
+        with explicit_attention():
+            ref = model(feats, boxes, mask, x)
+        with autocast("bf16", CUDA):
+            got = model(feats, boxes, mask, x)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()  # log-softmax in fp32
+    diff = (got - ref).abs()
+    assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (float(diff.max()), float(diff.mean()))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_rows_with_nothing_to_attend_to_on_cuda(precision):
+    if precision == "bf16":
+        _bf16()
+    torch.manual_seed(0)
+    att = MultiHeadAttention(64, 4, dropout=0.1).to(CUDA).train()
+    x = torch.randn(2, 5, 64, device=CUDA, requires_grad=True)
+    mem = torch.randn(2, 7, 64, device=CUDA, requires_grad=True)
+    mask = torch.ones(2, 1, 1, 7, dtype=torch.bool, device=CUDA)
+    mask[1] = False
+    bias = torch.randn(2, 4, 5, 7, device=CUDA)
+    for b in (None, bias):
+        with autocast(precision, CUDA):
+            out = att(x, mem, mask, bias=b)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out[1].float(), att.o.bias.float().expand(5, 64), atol=1e-2, rtol=0)
+        out.float().square().sum().backward()
+        assert torch.isfinite(x.grad).all() and torch.isfinite(mem.grad).all()
+        assert torch.count_nonzero(mem.grad[1]) == 0
+        x.grad = mem.grad = None
+
+
+def test_bf16_graph_decoding_across_autocast_contexts_equals_eager():
+    """Decoding autocasts without the weight-cast cache: a CUDA graph captured in one autocast context and
+    replayed in a later one (after the first context's memory was reused) decodes as the eager static path."""
+    _bf16()
+    model = tiny("aic").to(CUDA)
+    feats, boxes, mask = _on_cuda(*inputs(r=12))
+    with torch.no_grad(), autocast("bf16", CUDA, cache=False):
+        mem = model.encode(feats, boxes, mask)
+        first = greedy(model, mem, max_len=10, static_cache=True, graphs=True)
+    junk = [torch.randn(1 << 16, device=CUDA, dtype=torch.bfloat16) for _ in range(64)]  # reuse freed blocks
+    del junk
+    with torch.no_grad(), autocast("bf16", CUDA, cache=False):
+        again = greedy(model, mem, max_len=10, static_cache=True, graphs=True)
+        eager = greedy(model, mem, max_len=10, static_cache=True, graphs=False)
+    assert torch.equal(first.tokens, eager.tokens) and torch.equal(again.tokens, eager.tokens)
+
+
+def test_bench_train_on_cuda_quick():
+    from captioning.bench.train import run as run_train
+
+    res = run_train(families=["aic"], device="cuda", quick=True, steps=2, warmup=1, memory_batches=(16,))
+    assert res["machine"]["gpu"] and res["params"]["precision"] == resolve_precision("auto", CUDA)
+    for r in res["rows"]:
+        assert r["memory_peak_mb"] > 0 and r["images_per_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["precision"] == ("fp32" if r["path"] == "fp32_eager" else res["params"]["precision"])
+    assert {r["batch"] for r in res["rows"]} == {8, 16}
+    assert res["ratios"]["speedup_vs_fp32_eager"] > 0
