@@ -74,6 +74,7 @@ RANDOM_WEIGHTS_WARNING = (
     "Faster R-CNN. Fine for tests and the demo's plumbing, meaningless for real captioning."
 )
 BOX_SELECTION = "per-class NMS over proposal boxes; score = best surviving class probability (bottom-up)"
+PAD_QUANTUM = 32  # padded batching: the long side of the canvas is a multiple of this
 _PRE_NMS_FLOOR = 6000  # detectron2's default RPN.PRE_NMS_TOPK_TEST for C4 models
 
 
@@ -474,11 +475,19 @@ class RegionExtractor:
         bs = self.cfg.batch_size
         return [(idx[s : s + bs], shape) for shape, idx in groups.items() for s in range(0, len(idx), bs)]
 
-    def _group_key(self, p: Prepared) -> tuple:
-        """Images that may share a batch: the same resized shape (exact), the same orientation (padded)."""
-        if self.batching == "exact":
-            return p.shape
-        return ("landscape",) if p.shape[1] >= p.shape[0] else ("portrait",)
+    def padded_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The canonical padded (h, w) of a resized image in ``padded`` batching: the short side padded to
+        ``min_size``, the long side rounded up to a multiple of 32. It depends on the image alone, so an image's
+        features never depend on which images share its batch (a resumed run equals an uninterrupted one)."""
+        h, w = shape
+        q = PAD_QUANTUM
+        if w >= h:
+            return max(h, self.cfg.min_size), -(-w // q) * q
+        return -(-h // q) * q, max(w, self.cfg.min_size)
+
+    def _group_key(self, p: Prepared) -> tuple[int, int]:
+        """Images that may share a batch: the same resized shape (exact), the same padded shape (padded)."""
+        return p.shape if self.batching == "exact" else self.padded_shape(p.shape)
 
     def _autocast(self):
         dtype = torch.bfloat16 if self.cfg.amp_dtype == "bfloat16" else torch.float16
@@ -497,9 +506,24 @@ class RegionExtractor:
         self._last_mark = now
 
     def _backbone(self, tensors: list[torch.Tensor]):
-        images = self.model.preprocess_image([{"image": t.to(self.device, non_blocking=True).float()}
-                                              for t in tensors])
-        features = self.model.backbone(images.tensor)
+        """Normalise on the device ((x - mean) / std, as detectron2) and run the backbone on one batch tensor.
+
+        exact: the images share one shape (detectron2's ImageList adds nothing); padded: each image sits
+        top-left in a zero (= mean colour) canvas of its :meth:`padded_shape`, which the batch shares.
+        """
+        from detectron2.structures import ImageList
+
+        m = self.model
+        xs = [(t.to(self.device, non_blocking=True).float() - m.pixel_mean) / m.pixel_std for t in tensors]
+        if self.batching == "exact":
+            images = ImageList.from_tensors(xs, m.backbone.size_divisibility)
+        else:
+            hc, wc = self.padded_shape(tuple(xs[0].shape[1:]))
+            canvas = xs[0].new_zeros(len(xs), 3, hc, wc)
+            for j, x in enumerate(xs):
+                canvas[j, :, : x.shape[1], : x.shape[2]] = x
+            images = ImageList(canvas, [(int(x.shape[1]), int(x.shape[2])) for x in xs])
+        features = m.backbone(images.tensor)
         return images, features
 
     def _roi(self, features: dict[str, torch.Tensor], j: int, boxes) -> tuple[torch.Tensor, torch.Tensor]:
