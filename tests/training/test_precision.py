@@ -99,3 +99,27 @@ def test_precision_and_log_every_do_not_change_a_cpu_run(data, tmp_path):  # noq
         hist, sd = runs[key]
         assert [h["loss"] for h in hist] == [h["loss"] for h in ref_hist]
         assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+
+
+@pytest.mark.slow
+def test_compiled_xe_step_equals_eager(data):  # noqa: F811
+    """run.compile: the torch.compile'd XE step computes the eager step's losses and updates (dropout off: the
+    compiled graph draws its dropout masks from its own generator). CPU inductor: about a minute to compile."""
+    batch = next(iter(torch.utils.data.DataLoader(_dataset(data), batch_size=6, collate_fn=_collate())))
+    out = {}
+    for comp in (False, True):
+        model = _model()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        s = TrainSettings(batch_size=6, label_smoothing=0.1, compile=comp)
+        # plain SGD: Adam would turn rounding-level gradients of either sign into full-size steps
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        runner = StepRunner(model, opt, sched, s, torch.device("cpu"))
+        assert hasattr(runner.fn, "_torchdynamo_orig_callable") == comp  # compiled by torch.compile
+        out[comp] = ([float(runner(batch)) for _ in range(3)], model.state_dict())
+    (eager, eager_sd), (compiled, compiled_sd) = out[False], out[True]
+    assert compiled == pytest.approx(eager, abs=1e-4)
+    for k in eager_sd:
+        torch.testing.assert_close(compiled_sd[k], eager_sd[k], atol=1e-4, rtol=1e-3)
