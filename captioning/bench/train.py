@@ -3,9 +3,10 @@
 Per family (AIC, ACORT, ExpansionNet, LW, SATIC, ZoDIAC; their registry presets at paper size: 6+6 layers,
 d=512, ExpansionNet 3+3 at d=768), with random weights and synthetic data shaped like COCO training: batches of
 50 images x 5 captions (SCST: 50 images x 5 samples), 50 regions x 2048-d float16 features per image, captions
-of 5..16 random words. Batches come through the training loader (``make_loader``, pinned memory on CUDA) and each
-step is :class:`captioning.training.xe.StepRunner`, the step of :func:`captioning.training.xe.train`. Two paths
-in the same run, each on a fresh model with the same seed:
+of 5..16 random words. Batches come through the training loader (``make_loader``; on CUDA pinned memory and 2
+worker processes, ``workers``, the same for both paths; one epoch per measurement) and each step is
+:class:`captioning.training.xe.StepRunner`, the step of :func:`captioning.training.xe.train`. Two paths in the
+same run, each on a fresh model with the same seed:
 
 - ``fp32_eager`` (the anchor, today's path): fp32, explicit attention (``explicit_attention()``), the host reads
   the loss after every step (``float(loss)``), for-each Adam;
@@ -32,7 +33,7 @@ import torch
 
 from captioning.bench.loader import machine_info
 from captioning.data.karpathy import SPLIT_CODES
-from captioning.data.loader import CaptionDataset, MemoryFeatures, make_loader
+from captioning.data.loader import CaptionDataset, MemoryFeatures, Rows, make_loader
 from captioning.data.stores import Labels
 from captioning.data.text import N_SPECIAL, PAD, RadixCodec
 from captioning.models.encoder_decoder import ArchConfig, Captioner
@@ -61,15 +62,26 @@ def _codec(cfg: ArchConfig) -> RadixCodec | None:
     return RadixCodec(base=cfg.vocab_size - 3, num_words=RADIX_WORDS) if cfg.codec == "radix" else None
 
 
-def _data(cfg: ArchConfig, images: int, regions: int, d_in: int, max_words: int, captions: int, seed: int
-          ) -> tuple[MemoryFeatures, Labels, dict[int, list[list[int]]]]:
-    """Synthetic features (``regions`` per image), ``captions`` random captions per image (as the label store
-    holds them: word ids) and the same captions as SCST references."""
+class _PooledFeatures(MemoryFeatures):
+    """Features of ``len(image_ids)`` images drawn from a smaller pool (image row r gets pool entry r % pool):
+    one epoch can cover a whole measurement without holding every image's 50 x 2048 features."""
+
+    def read(self, rows: np.ndarray) -> Rows:
+        pool = len(self.features)
+        return Rows(rows=rows, image_ids=self.ids[rows], features=[self.features[r % pool] for r in rows],
+                    boxes=[self.boxes[r % pool] for r in rows])
+
+
+def _data(cfg: ArchConfig, images: int, regions: int, d_in: int, max_words: int, captions: int, seed: int,
+          pool: int = 64) -> tuple[MemoryFeatures, Labels, dict[int, list[list[int]]]]:
+    """Synthetic features (``regions`` per image, from a pool of ``pool`` images), ``captions`` random captions
+    per image (as the label store holds them: word ids) and the same captions as SCST references."""
     rng = np.random.default_rng(seed)
     ids = np.arange(1, images + 1, dtype=np.int64)
-    feats = np.maximum(rng.standard_normal((images, regions, d_in), dtype=np.float32), 0).astype(np.float16)
-    xy = rng.random((images, regions, 2), dtype=np.float32) * 0.5
-    boxes = np.concatenate([xy, xy + 0.1 + rng.random((images, regions, 2), dtype=np.float32) * 0.4], -1)
+    pool = min(pool, images)
+    feats = np.maximum(rng.standard_normal((pool, regions, d_in), dtype=np.float32), 0).astype(np.float16)
+    xy = rng.random((pool, regions, 2), dtype=np.float32) * 0.5
+    boxes = np.concatenate([xy, xy + 0.1 + rng.random((pool, regions, 2), dtype=np.float32) * 0.4], -1)
     words = RADIX_WORDS if cfg.codec == "radix" else cfg.vocab_size - N_SPECIAL
     m = images * captions
     lengths = rng.integers(min(5, max_words), max_words + 1, size=m)
@@ -82,12 +94,12 @@ def _data(cfg: ArchConfig, images: int, regions: int, d_in: int, max_words: int,
     refs: dict[int, list[list[int]]] = {}
     for k in range(m):
         refs.setdefault(int(ids[rows[k]]), []).append(tokens[k, : lengths[k]].tolist())
-    source = MemoryFeatures(feats, boxes, np.full(images, regions), ids, block_rows=8)
+    source = _PooledFeatures(feats, boxes, np.full(images, regions), ids, block_rows=8)
     return source, labels, refs
 
 
-def _batches(ds: CaptionDataset, batch: int, pinned: bool) -> Iterator[Any]:
-    loader = make_loader(ds, batch, drop_last=True, pin_memory=pinned)
+def _batches(ds: CaptionDataset, batch: int, pinned: bool, workers: int) -> Iterator[Any]:
+    loader = make_loader(ds, batch, workers=workers, drop_last=True, pin_memory=pinned)
     epoch = 0
     while True:
         ds.set_epoch(epoch)
@@ -102,7 +114,7 @@ def _sync(dev: torch.device) -> None:
 
 def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: int, stage: str, path: str,
              precision: str, compile: bool, steps: int, warmup: int, scst: dict[str, Any] | None,
-             seed: int) -> dict[str, Any]:
+             seed: int, workers: int) -> dict[str, Any]:
     anchor = path == "fp32_eager"
     torch.manual_seed(seed)
     model = Captioner(cfg).to(dev).train()
@@ -125,7 +137,7 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
 
     runner = StepRunner(model, opt, sched, s, dev, loss_fn=loss_fn)
     pinned = dev.type == "cuda"
-    it = _batches(ds, batch, pinned)
+    it = _batches(ds, batch, pinned, workers)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -147,6 +159,7 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
                 float(value)  # today's loop read float(loss) after every step
         loss = float(total) / steps  # waits for the device
         seconds = time.perf_counter() - t0
+    it.close()  # stops the loader's workers
     if stage == "scst":
         tokens = int(sum(float(c) for c in counts))
     row: dict[str, Any] = {
@@ -165,7 +178,7 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
         steps: int | None = None, warmup: int | None = None, regions: int | None = None, max_words: int | None = None,
         samples: int | None = None, memory_batches: tuple[int, ...] | None = None, precision: str = "auto",
         compile: bool = False, scst: bool = True, quick: bool = False, threads: int | None = None,
-        seed: int = 0) -> dict:
+        workers: int | None = None, seed: int = 0) -> dict:
     """The benchmark's JSON (see the module docstring). ``quick``: small models and batches (a CPU check of the
     whole benchmark in seconds, not a measurement); explicit arguments override either size."""
     if threads:
@@ -184,6 +197,8 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
     warmup = warmup or q.get("warmup", 5 if dev.type == "cuda" else 1)
     if memory_batches is None:
         memory_batches = q.get("memory_batches", (25, 100, 200) if dev.type == "cuda" else ())
+    if workers is None:
+        workers = 2 if dev.type == "cuda" else 0  # loader processes (both paths): batches ready ahead of the GPU
     families = families or list(FAMILIES)
     fast_precision = resolve_precision(precision, dev)
     rows: list[dict[str, Any]] = []
@@ -193,8 +208,8 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
         per_word = codec.digits if codec is not None else 1
         cfg = cfg.replace(max_len=max(cfg.max_len, -(-(max_words * per_word + 1 + cfg.group_size)
                                                         // cfg.group_size) * cfg.group_size))
-        biggest = max((batch, *memory_batches))
-        source, labels, refs = _data(cfg, 2 * biggest, regions, d_in, max_words, captions, seed)
+        images = max(b * (warmup + steps) for b in (batch, *memory_batches))  # one epoch per measurement
+        source, labels, refs = _data(cfg, images, regions, d_in, max_words, captions, seed)
         xe_ds = CaptionDataset(source, labels=labels, captions_per_image=captions, shuffle_buffer=64, seed=seed,
                                codec=codec)
         common = {"family": fam, "preset": preset_name(fam), "d_model": cfg.d_model,
@@ -204,20 +219,22 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
             paths.append(("fast_compiled", fast_precision, True))
         for path, prec, comp in paths:
             rows.append(common | _measure(cfg, xe_ds, dev, batch=batch, stage="xe", path=path, precision=prec,
-                                          compile=comp, steps=steps, warmup=warmup, scst=None, seed=seed))
+                                          compile=comp, steps=steps, warmup=warmup, scst=None, seed=seed,
+                                          workers=workers))
         if scst:
             sc_ds = CaptionDataset(source, labels=labels, captions_per_image=1, shuffle_buffer=64, seed=seed + 1,
                                    codec=codec)
             sc = {"refs": refs, "samples": samples, "max_tokens": max_words * per_word + 1, "codec": codec}
             for path, prec in (("fp32_eager", "fp32"), ("fast", fast_precision)):
                 rows.append(common | _measure(cfg, sc_ds, dev, batch=batch, stage="scst", path=path, precision=prec,
-                                              compile=False, steps=steps, warmup=warmup, scst=sc, seed=seed))
+                                              compile=False, steps=steps, warmup=warmup, scst=sc, seed=seed,
+                                              workers=workers))
         if fam == families[0]:
             for b in memory_batches:
                 if b != batch:
                     rows.append(common | _measure(cfg, xe_ds, dev, batch=b, stage="xe", path="fast",
                                                   precision=fast_precision, compile=False, steps=steps,
-                                                  warmup=warmup, scst=None, seed=seed))
+                                                  warmup=warmup, scst=None, seed=seed, workers=workers))
     ratios: dict[str, float] = {}
     main = [r for r in rows if r["batch"] == batch]
     for fam in families:
@@ -241,7 +258,7 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
         "machine": machine,
         "params": {"families": families, "batch": batch, "captions": captions, "scst_samples": samples,
                    "regions": regions, "d_in": d_in, "max_words": max_words, "steps": steps, "warmup": warmup,
-                   "precision": fast_precision, "compile": compile, "quick": quick,
+                   "precision": fast_precision, "compile": compile, "quick": quick, "workers": workers,
                    "memory_batches": list(memory_batches)},
         "rows": rows,
         "ratios": ratios,
