@@ -18,7 +18,8 @@ Each measurement runs ``warmup`` untimed steps, then ``steps`` timed ones (the c
 finished). Rows give images/s, tokens/s (XE: target tokens; SCST: sampled tokens that are rewarded) and, on CUDA,
 the peak memory of the measurement; extra rows give the fast XE path of the first family at other batch sizes
 (``memory_batches``: peak memory and throughput per batch size). Ratios: ``speedup_vs_fp32_eager`` (AIC XE
-images/s, fast / anchor), ``scst_speedup_vs_fp32_eager`` (AIC SCST) and the same per family.
+images/s, new path / anchor, the new path being ``fast_compiled`` where measured, else ``fast``),
+``scst_speedup_vs_fp32_eager`` (AIC SCST) and the same per family and path.
 """
 
 from __future__ import annotations
@@ -246,8 +247,11 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
                 ratios[f"{stage}_compiled_speedup_vs_fp32_eager_{fam}"] = got["fast_compiled"] / got["fp32_eager"]
     head, headline = families[0], {}
     for stage, key in (("xe", "speedup_vs_fp32_eager"), ("scst", "scst_speedup_vs_fp32_eager")):
-        if f"{stage}_speedup_vs_fp32_eager_{head}" in ratios:
-            headline[key] = ratios[f"{stage}_speedup_vs_fp32_eager_{head}"]
+        # the new path: the compiled one where it was measured
+        for name in (f"{stage}_compiled_speedup_vs_fp32_eager_{head}", f"{stage}_speedup_vs_fp32_eager_{head}"):
+            if name in ratios:
+                headline[key] = ratios[name]
+                break
     ratios = headline | ratios
     machine = machine_info() | {"device": str(dev)}
     if dev.type == "cuda":

@@ -173,10 +173,16 @@ def test_bf16_graph_decoding_across_autocast_contexts_equals_eager():
 def test_bench_train_on_cuda_quick():
     from captioning.bench.train import run as run_train
 
-    res = run_train(families=["aic"], device="cuda", quick=True, steps=2, warmup=1, memory_batches=(16,))
+    res = run_train(families=["aic"], device="cuda", quick=True, steps=2, warmup=2, memory_batches=(16,),
+                    compile=True)
     assert res["machine"]["gpu"] and res["params"]["precision"] == resolve_precision("auto", CUDA)
     for r in res["rows"]:
         assert r["memory_peak_mb"] > 0 and r["images_per_s"] > 0 and r["tokens_per_s"] > 0
         assert r["precision"] == ("fp32" if r["path"] == "fp32_eager" else res["params"]["precision"])
+        assert r["loss"] == r["loss"]  # not NaN
     assert {r["batch"] for r in res["rows"]} == {8, 16}
-    assert res["ratios"]["speedup_vs_fp32_eager"] > 0
+    assert {(r["stage"], r["path"]) for r in res["rows"]} == {
+        ("xe", "fp32_eager"), ("xe", "fast"), ("xe", "fast_compiled"), ("scst", "fp32_eager"), ("scst", "fast")}
+    rows = {(r["stage"], r["path"], r["batch"]): r for r in res["rows"]}
+    compiled = rows[("xe", "fast_compiled", 8)]["images_per_s"] / rows[("xe", "fp32_eager", 8)]["images_per_s"]
+    assert res["ratios"]["speedup_vs_fp32_eager"] == pytest.approx(compiled, rel=1e-12)
