@@ -108,8 +108,23 @@ class ExtractorConfig(Section):
     proposals: int = Field(300, ge=1, description="RPN proposals kept after NMS per image")
     conf_threshold: float = Field(0.2, ge=0, le=1, description="Keep boxes whose best class score is above")
     nms_threshold: float = Field(0.3, ge=0, le=1, description="Per-class NMS IoU threshold")
-    amp: bool = Field(False, description="Mixed precision inference on CUDA")
-    batch_size: int = Field(2, ge=1, description="Images per forward pass")
+    amp: bool | None = Field(
+        None, description="Mixed precision inference on CUDA (autocast to amp_dtype); unset = the measured GPU "
+        "default (see capflow bench extract --device cuda), never on CPU"
+    )
+    amp_dtype: Literal["float16", "bfloat16"] = Field("float16", description="Autocast dtype when amp is true")
+    batch_size: int | None = Field(None, ge=1, description="Images per forward pass; unset = 16 on CUDA, 2 on CPU")
+    batching: Literal["auto", "exact", "padded"] = Field(
+        "auto",
+        description="exact: batch only images of the same resized shape, ROI head image by image (CPU results "
+        "bit-identical whatever the batch); padded: mixed shapes in one zero-padded batch (aspect-ratio buckets) "
+        "and one batched ROI head (features near the right/bottom edge change slightly); auto: padded on CUDA, "
+        "exact on CPU",
+    )
+    loader_threads: int | None = Field(
+        None, ge=0, description="Threads decoding/resizing the next images while the model runs; unset = 4 on "
+        "CUDA, 0 (inline) on CPU. Never changes the numbers",
+    )
     device: str = Field("auto", description="Extraction device: auto (CUDA when present), cpu, cuda, cuda:N")
     seed: int = Field(0, description="Seed of the random detector weights used when no weights are given")
     threads: int = Field(

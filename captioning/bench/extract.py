@@ -37,7 +37,7 @@ def _loop(cfg: PipelineConfig, paths: list[str], out: Path, threads: int) -> tup
     model = RegionExtractor(f.extractor, min_boxes=f.min_boxes, max_boxes=f.max_boxes, feature_dim=f.feature_dim)
     model([load_rgb(paths[0])])  # warm-up
     startup = time.perf_counter() - t0
-    bs = f.extractor.batch_size
+    bs = model.cfg.batch_size
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     for i in range(0, len(paths), bs):
@@ -210,7 +210,7 @@ def _reference_run(cfg: PipelineConfig, ds, uri: str, images: int) -> tuple[floa
     from captioning.features.parallel import _open_chunk, _put, _write_chunk, plan_chunks, prepare_store
 
     f = cfg.features
-    ex = f.extractor.model_copy(update={"batching": "exact", "loader_threads": 0})
+    ex = f.extractor.model_copy(update={"batching": "exact", "loader_threads": 0, "amp": False})
     model = RegionExtractor(ex, min_boxes=f.min_boxes, max_boxes=f.max_boxes, feature_dim=f.feature_dim)
     sub = _subset(ds, images)
     store, _ = prepare_store(cfg, sub, uri)
@@ -268,7 +268,7 @@ def _profile(cfg: PipelineConfig, ds, n: int, uri: str) -> dict:
     groups: dict = {}
     for p in prepared:
         groups.setdefault(model._group_key(p), []).append(p)
-    bs = f.extractor.batch_size
+    bs = model.cfg.batch_size
     batches = [g[i : i + bs] for g in groups.values() for i in range(0, len(g), bs)]
     model.profile = {}
     regions = []
@@ -303,9 +303,9 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
     import torch
 
     from captioning.data.stores import FeatureStore
-    from captioning.features.extractor import RegionExtractor
+    from captioning.features.extractor import RegionExtractor, effective_config
     from captioning.features.images import load_rgb
-    from captioning.features.parallel import extract_features, resolved_batching
+    from captioning.features.parallel import extract_features
 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-extract-gpu-") as tmp:
         root = Path(tmp)
@@ -328,20 +328,22 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
 
         def pipeline(name: str, **update) -> float:
             c = cfg.model_copy(deep=True)
-            c.features.extractor = c.features.extractor.model_copy(update=update)
+            c.features.extractor = effective_config(c.features.extractor.model_copy(update=update))
             warm = _subset(ds, 4 * c.features.extractor.batch_size)  # the worker builds this variant's model
             extract_features(c, warm, client=client, uri=str(root / f"warm-{name}.zarr"), progress=False)
             t0 = time.perf_counter()
             res = extract_features(c, ds, client=client, uri=str(root / f"{name}.zarr"), progress=False)
             s = time.perf_counter() - t0
             ex = c.features.extractor
-            rows.append({"path": "capflow", "variant": name, "workers": 1, "batching": resolved_batching(ex),
+            rows.append({"path": "capflow", "variant": name, "workers": 1, "batching": ex.batching,
                          "batch_size": ex.batch_size, "precision": ex.amp_dtype if ex.amp else "fp32",
                          "images": res.extracted, "ok": res.ok, "seconds": s,
                          "images_per_second": res.extracted / s})
             return res.extracted / s
 
-        variants = {"exact-fp32": {"batching": "exact"},
+        variants = {"exact-fp32": {"batching": "exact", "amp": False},
+                    "padded-fp32-b8": {"batching": "padded", "amp": False, "batch_size": 8},
+                    "padded-fp32-b32": {"batching": "padded", "amp": False, "batch_size": 32},
                     "padded-bf16": {"batching": "padded", "amp": True, "amp_dtype": "bfloat16"},
                     "padded-fp16": {"batching": "padded", "amp": True, "amp_dtype": "float16"}}
         try:
@@ -360,12 +362,12 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
                                 max_boxes=f.max_boxes, feature_dim=f.feature_dim)
             return m(sample)
 
-        base = regions(batching="exact")
+        base = regions(batching="exact", amp=False)
         agree = {"exact_vs_reference": agreement(reference_extract(
-            RegionExtractor(f.extractor.model_copy(update={"batching": "exact"}), min_boxes=f.min_boxes,
+            RegionExtractor(f.extractor.model_copy(update={"batching": "exact", "amp": False}), min_boxes=f.min_boxes,
                             max_boxes=f.max_boxes, feature_dim=f.feature_dim), sample), base)}
-        for name, upd in {"padded-fp32": {"batching": "padded"}, **{k: v for k, v in variants.items()
-                                                                    if k != "exact-fp32"}}.items():
+        for name, upd in {"padded-fp32": {"batching": "padded", "amp": False},
+                          **{k: v for k, v in variants.items() if "16" in k}}.items():
             agree[f"{name}_vs_exact-fp32"] = agreement(base, regions(**upd))
         prof = _profile(cfg, ds, min(128, images), str(root / "profile.zarr"))
         st = FeatureStore.open(str(root / "default.zarr")).summary()

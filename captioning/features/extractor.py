@@ -243,14 +243,26 @@ def _torch_device(spec: str) -> torch.device:
     return resolve_device(spec, "extractor device")
 
 
-def resolve_batching(batching: str, device: str | torch.device) -> str:
-    """``auto`` -> ``padded`` on CUDA (measured faster there: mixed shapes batch), ``exact`` elsewhere."""
-    if batching != "auto":
-        return batching
-    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+# What ``auto``/unset extractor settings become on a CUDA device (measured with ``capflow bench extract --device
+# cuda``: see the README's extraction figures) and elsewhere (today's CPU behaviour, so CPU stores keep their names).
+GPU_DEFAULTS = {"batching": "padded", "batch_size": 16, "amp": False}
+CPU_DEFAULTS = {"batching": "exact", "batch_size": 2, "amp": False}
+
+
+def effective_config(cfg: ExtractorConfig) -> ExtractorConfig:
+    """``cfg`` with its automatic settings resolved for the device it names (``auto``: CUDA when present)."""
+    kind = str(cfg.device).split(":")[0]
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
-    return "padded" if kind == "cuda" else "exact"
+    defaults = GPU_DEFAULTS if kind == "cuda" else CPU_DEFAULTS
+    update = {}
+    if cfg.batching == "auto":
+        update["batching"] = defaults["batching"]
+    if cfg.batch_size is None:
+        update["batch_size"] = defaults["batch_size"]
+    if cfg.amp is None:
+        update["amp"] = defaults["amp"]
+    return cfg.model_copy(update=update) if update else cfg
 
 
 class RegionExtractor:
@@ -269,10 +281,10 @@ class RegionExtractor:
             raise ValueError(f"need 1 <= min_boxes <= max_boxes, got min_boxes={min_boxes}, max_boxes={max_boxes}")
         if cfg.fixed_boxes is not None and cfg.fixed_boxes > max_boxes:
             raise ValueError(f"fixed_boxes={cfg.fixed_boxes} exceeds max_boxes={max_boxes}")
-        self.cfg = cfg
+        self.cfg = cfg = effective_config(cfg)
         self.min_boxes, self.max_boxes, self.feature_dim = min_boxes, max_boxes, feature_dim
         self.device = _torch_device(cfg.device)
-        self.batching = resolve_batching(cfg.batching, self.device)
+        self.batching = cfg.batching
         self.loader_threads = cfg.loader_threads if cfg.loader_threads is not None else (
             4 if self.device.type == "cuda" else 0)
         self.profile: dict[str, float] | None = None  # per-stage seconds, when a benchmark asks for them

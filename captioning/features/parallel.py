@@ -51,24 +51,16 @@ def weights_identity(ex: ExtractorConfig) -> str:
     return f"uri:{ex.weights}"  # remote without a pinned hash: the URI is the best identity we have
 
 
-def resolved_batching(ex: ExtractorConfig) -> str:
-    """The batching mode the extractor will use (``auto`` depends on the device it will run on)."""
-    from captioning.features.extractor import resolve_batching
-
-    return resolve_batching(ex.batching, ex.device)
-
-
 def store_key(f: FeaturesConfig) -> str:
-    ex = f.extractor.model_dump(mode="json")
+    from captioning.features.extractor import effective_config
+
+    ex = effective_config(f.extractor).model_dump(mode="json")
     ex.pop("device")  # where it runs does not name the store (recorded in its attributes instead)
     ex.pop("weights_sha256")
     ex.pop("loader_threads")  # overlap only, never the numbers
     # settings added later are named only when they change the numbers, so existing stores keep their names
-    batching = resolved_batching(f.extractor)
-    if batching == "exact":
+    if ex["batching"] == "exact":
         ex.pop("batching")
-    else:
-        ex["batching"] = batching
     if not ex["amp"] or ex["amp_dtype"] == "float16":
         ex.pop("amp_dtype")
     ex["weights"] = weights_identity(f.extractor)
@@ -453,8 +445,10 @@ def extract_features(
     store, appended = prepare_store(cfg, ds, uri)
     todo = plan_chunks(store, ds)
     f = cfg.features
-    # the batching mode is resolved here, where the store is named, not on each worker
-    ex_json = f.extractor.model_copy(update={"batching": resolved_batching(f.extractor)}).model_dump_json()
+    # automatic settings are resolved here, where the store is named, not on each worker
+    from captioning.features.extractor import effective_config
+
+    ex_json = effective_config(f.extractor).model_dump_json()
     n_workers = f.workers if workers is None else workers
     threads = threads_per_worker or f.extractor.threads
     args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, str(cfg.workdir / "cache" / "weights"))

@@ -54,25 +54,44 @@ def test_exact_stream_equals_reference_on_cuda(real_images):
 def test_padded_and_reduced_precision_agree_with_exact_fp32(real_images):
     from captioning.bench.extract import agreement
 
-    base = _model(batching="exact")(real_images)
-    padded = agreement(base, _model(batching="padded")(real_images))
+    base = _model(batching="exact", amp=False)(real_images)
+    padded = agreement(base, _model(batching="padded", amp=False)(real_images))
+    fp16 = agreement(base, _model(batching="padded", amp=True, amp_dtype="float16")(real_images))
     bf16 = agreement(base, _model(batching="padded", amp=True, amp_dtype="bfloat16")(real_images))
-    # random weights give near-uniform class scores, so small numeric changes re-rank boxes; the matched boxes'
-    # features must still be nearly the same vectors
-    for a in (padded, bf16):
+    # random weights give near-uniform class scores, so small numeric changes re-rank boxes (bf16's 8-bit
+    # mantissa re-ranks most of them: measured kept-box overlap ~0.17 on an H100); the matched boxes' features
+    # must still be nearly the same vectors
+    for a in (padded, fp16, bf16):
         assert a["images"] == len(real_images)
-        assert a["feature_cosine_mean"] > 0.99, a
-        assert a["kept_box_overlap_mean"] > 0.3, a
+        assert a["feature_cosine_mean"] > 0.999, a
+    for a in (padded, fp16):
+        assert a["kept_box_overlap_mean"] > 0.8, a
 
 
-def test_padded_features_do_not_depend_on_batch_partners(real_images):
-    model = _model(batching="padded")
-    alone = [model([im])[0] for im in real_images[:4]]
-    together = model(real_images[:4] * 2)[:4]
-    for a, b in zip(alone, together, strict=True):
-        assert len(a) == len(b)
-        np.testing.assert_allclose(a.boxes, b.boxes, atol=1e-4)
-        np.testing.assert_allclose(a.features, b.features, rtol=1e-3, atol=1e-3)
+def test_padded_canvas_does_not_depend_on_batch_partners(real_images):
+    """The padded input of an image is a function of the image alone (its bucket's canvas), whatever shares its
+    batch; the features then differ only by what cuDNN's per-batch-size kernel choice rounds differently."""
+    import torch
+
+    from captioning.bench.extract import agreement
+
+    model = _model(batching="padded", amp=False)
+    prep = [model.prepare(im, i) for i, im in enumerate(real_images)]
+    buckets: dict = {}
+    for p in prep:
+        buckets.setdefault(model._group_key(p), []).append(p)
+    group = max(buckets.values(), key=len)
+    assert len(group) >= 2
+    with torch.inference_mode():
+        together, _ = model._backbone([p.tensor for p in group])
+        for j, p in enumerate(group):
+            alone, _ = model._backbone([p.tensor])
+            assert torch.equal(alone.tensor[0], together.tensor[j])
+            assert alone.image_sizes[0] == together.image_sizes[j] == p.shape
+    solo = [model([im])[0] for im in real_images[:6]]
+    mixed = model(real_images[:6] * 2)[:6]
+    a = agreement(solo, mixed)
+    assert a["feature_cosine_mean"] > 0.999 and a["kept_box_overlap_mean"] > 0.8, a
 
 
 def _dataset(root: Path, real: Path, n: int) -> Path:
@@ -139,10 +158,16 @@ def test_cuda_extraction_kill_and_resume(external, tmp_path):
     np.testing.assert_array_equal(a.status, b.status)
     # rows written before the kill are untouched by the resumed run
     np.testing.assert_array_equal(kept.features[done_rows], b.features[done_rows])
-    # the resumed rows equal the uninterrupted run's within CUDA float tolerance
-    same_n = a.num_boxes == b.num_boxes
-    assert same_n.mean() >= 0.9, same_n.mean()
-    for r in np.flatnonzero(same_n):
-        n = a.num_boxes[r]
-        np.testing.assert_allclose(a.features[r, :n].astype(np.float32), b.features[r, :n].astype(np.float32),
-                                   rtol=2e-2, atol=2e-2)
+    # the resumed rows equal the uninterrupted run's within CUDA float tolerance: cuDNN may pick other kernels
+    # for other batch sizes, and random weights' near-uniform scores then re-rank a few boxes
+    from captioning.bench.extract import agreement
+    from captioning.features.extractor import Regions
+
+    def regions(block, rows):
+        return [Regions(features=block.features[r, : block.num_boxes[r]].astype(np.float32),
+                        boxes=block.boxes[r, : block.num_boxes[r]], scores=np.zeros(block.num_boxes[r], np.float32),
+                        image_size=tuple(block.image_size[r])) for r in rows]
+
+    resumed = np.flatnonzero((~done_rows) & (a.status == 1))
+    agree = agreement(regions(a, resumed), regions(b, resumed))
+    assert agree["feature_cosine_mean"] > 0.999 and agree["kept_box_overlap_mean"] > 0.8, agree
