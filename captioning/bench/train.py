@@ -11,7 +11,8 @@ same run, each on a fresh model with the same seed:
 - ``fp32_eager`` (the anchor, today's path): fp32, explicit attention (``explicit_attention()``), the host reads
   the loss after every step (``float(loss)``), for-each Adam;
 - ``fast``: ``precision`` (auto = bf16 on a CUDA device that supports it; CPUs run fp32), fused attention
-  (``scaled_dot_product_attention``), the loss read once after the timed steps, fused Adam on CUDA; with
+  (``scaled_dot_product_attention``; the ``auto`` attention mode, so CPUs keep the explicit path), the loss read
+  once after the timed steps, fused Adam on CUDA; with
   ``compile`` an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step).
 
 Each measurement runs ``warmup`` untimed steps, then ``steps`` timed ones (the clock stops after the device has
@@ -164,7 +165,8 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
     if stage == "scst":
         tokens = int(sum(float(c) for c in counts))
     row: dict[str, Any] = {
-        "stage": stage, "path": path, "precision": runner.precision, "attention": "explicit" if anchor else "fused",
+        "stage": stage, "path": path, "precision": runner.precision,
+        "attention": "explicit" if anchor or dev.type == "cpu" else "fused",
         "compile": compile, "batch": batch, "captions": ds.captions_per_image if stage == "xe" else scst["samples"],
         "steps": steps, "seconds": seconds, "images_per_s": steps * batch / seconds, "tokens_per_s": tokens / seconds,
         "loss": loss, "memory_peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,

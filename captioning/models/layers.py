@@ -19,9 +19,13 @@ Fused attention: every variant but ZoDIAC (GELU on the scores) runs through
 ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels on CUDA): standard,
 Share-kV, Share-QK, group-wise (its groups' heads are heads), ``qk_expand`` (scale ``1/sqrt(d_qk)`` given
 explicitly), cross-attention, and ORT's geometry as an additive float mask with -inf where the boolean mask
-forbids. Query rows with nothing to attend to give 0, as in the explicit path. The explicit computation stays
-available as the reference: ``MultiHeadAttention.fused = False`` on a module, or ``with explicit_attention():``
-for every module (tests compare the two; ``capflow bench train`` uses it for its anchor).
+forbids. Query rows with nothing to attend to give 0, as in the explicit path. Which path runs is
+:func:`attention_mode`: ``auto`` (the default) fuses on accelerators and keeps the explicit path on CPUs, where it
+is as fast at these sizes (SDPA's math backend is the same arithmetic behind more dispatch, and the CPU flash
+kernel rounds a one-position cached step differently from the full recomputation, beyond the 1e-5 the
+cached == uncached tests hold); ``fused_attention()`` forces SDPA everywhere (the CPU equivalence tests),
+``explicit_attention()`` the reference everywhere (``capflow bench train``'s anchor); ``.fused = False`` on a
+module keeps that module explicit.
 """
 
 from __future__ import annotations
@@ -38,24 +42,39 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from captioning.models import static_cache
 
-_FUSED = True  # process-wide switch of explicit_attention()
+ATTENTION_MODES = ("auto", "fused", "explicit")
+_MODE = "auto"  # process-wide (not thread-local): see attention_mode()
 
 
 @contextlib.contextmanager
-def explicit_attention(enabled: bool = True) -> Iterator[None]:
-    """Inside the block every :class:`MultiHeadAttention` computes ``softmax(QK^T/sqrt(d)) V`` explicitly instead
-    of through ``scaled_dot_product_attention`` (the reference path; not thread-local)."""
-    global _FUSED
-    before = _FUSED
-    _FUSED = not enabled
+def attention_mode(mode: str) -> Iterator[None]:
+    """Inside the block every :class:`MultiHeadAttention` computes attention the ``mode`` way: ``fused``
+    (``scaled_dot_product_attention`` wherever the arithmetic allows, CPUs included), ``explicit``
+    (``softmax(QK^T/sqrt(d)) V`` materialised: the reference) or ``auto`` (fused on accelerators, explicit on
+    CPUs; the default outside any block). ZoDIAC is explicit in every mode."""
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"unknown attention mode {mode!r}: one of {', '.join(ATTENTION_MODES)}")
+    global _MODE
+    before = _MODE
+    _MODE = mode
     try:
         yield
     finally:
-        _FUSED = before
+        _MODE = before
+
+
+def explicit_attention() -> contextlib.AbstractContextManager:
+    """``attention_mode("explicit")``: the reference path everywhere."""
+    return attention_mode("explicit")
+
+
+def fused_attention() -> contextlib.AbstractContextManager:
+    """``attention_mode("fused")``: ``scaled_dot_product_attention`` on every device (CPUs included)."""
+    return attention_mode("fused")
 
 
 class MultiHeadAttention(nn.Module):
-    fused: bool = True  # scaled_dot_product_attention where the arithmetic allows (not ZoDIAC)
+    fused: bool = True  # False: this module always takes the explicit path
 
     def __init__(
         self,
@@ -127,9 +146,9 @@ class MultiHeadAttention(nn.Module):
 
         A query row whose mask is all False would get NaN from SDPA (and NaN gradients): such rows attend to
         every key instead and their output is set to 0 afterwards (no gradient flows through them), which is
-        what the explicit path gives. On CPUs the math backend is used: the CPU flash kernel's blocked softmax
-        rounds a one-position cached step differently from the full recomputation (by up to ~1e-5 on the log-probs
-        after a few layers), the math backend like the explicit path."""
+        what the explicit path gives. On CPUs (``fused_attention()``) the math backend is used: the CPU flash
+        kernel's blocked softmax rounds a one-position cached step differently from the full recomputation (by up
+        to ~1e-5 on the log-probs after a few layers), the math backend like the explicit path."""
         empty = None
         if mask is not None:
             empty = ~mask.any(-1, keepdim=True)  # (..., Tq, 1)
@@ -146,6 +165,11 @@ class MultiHeadAttention(nn.Module):
         if empty is not None:
             out = out.masked_fill(empty, 0.0)
         return out
+
+    def _use_fused(self, q: torch.Tensor) -> bool:
+        if self.zodiac or not self.fused or _MODE == "explicit":
+            return False
+        return _MODE == "fused" or q.device.type != "cpu"
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -174,7 +198,7 @@ class MultiHeadAttention(nn.Module):
                     k = torch.cat([cache["k"], k], dim=2)
                     v = k if self.share == "kv" else torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
-        if self.fused and _FUSED and not self.zodiac:
+        if self._use_fused(q):
             out = self._fused_attention(q, k, v, mask, bias)
         else:
             out = self._explicit_attention(query, q, k, v, mask, bias)

@@ -2,7 +2,9 @@
 
 Every registry preset, in eval mode: teacher forcing, cached incremental decoding (log-probs and greedy tokens),
 and a training step's loss and gradients (dropout off); plus the edge cases of the fused path (query rows with
-nothing to attend to, the geometry bias with a mask, dropout on the attention probabilities)."""
+nothing to attend to, the geometry bias with a mask, dropout on the attention probabilities). CPUs take the
+explicit path by default (``auto``), so every test here runs inside ``fused_attention()`` and computes the
+reference inside ``explicit_attention()``."""
 
 from __future__ import annotations
 
@@ -11,12 +13,18 @@ import torch
 
 from captioning.decoding import beam_search, greedy
 from captioning.models import layers
-from captioning.models.layers import MultiHeadAttention, explicit_attention
+from captioning.models.layers import MultiHeadAttention, attention_mode, explicit_attention, fused_attention
 from captioning.models.registry import PRESETS
 from tests.models.test_models import inputs, tiny
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 ALL = sorted(PRESETS)
+
+
+@pytest.fixture(autouse=True)
+def fused_everywhere():
+    with fused_attention():
+        yield
 
 
 def _targets(model, b: int = 3, t: int = 9, seed: int = 4) -> torch.Tensor:
@@ -177,16 +185,23 @@ def test_attention_dropout_in_training_only():
         torch.testing.assert_close(att(x, x, causal), ev, **TOL)
 
 
-def test_explicit_switches():
+def test_attention_modes(monkeypatch):
     att = MultiHeadAttention(8, 2, dropout=0.0).eval()
     x = torch.randn(1, 3, 8)
+    calls = _count_fused_calls(att, monkeypatch)
     with torch.no_grad():
         fused = att(x, x, None)
-        assert layers._FUSED
+        assert layers._MODE == "fused" and calls[0] == 1
         with explicit_attention():
-            assert not layers._FUSED
+            assert layers._MODE == "explicit"
             ref = att(x, x, None)
-        assert layers._FUSED  # restored
-        att.fused = False  # per module
+        assert layers._MODE == "fused" and calls[0] == 1  # restored; the explicit path never calls SDPA
+        with attention_mode("auto"):  # the default: CPUs take the explicit path, accelerators SDPA
+            torch.testing.assert_close(att(x, x, None), ref, atol=0, rtol=0)
+            assert calls[0] == 1
+        att.fused = False  # per module: explicit whatever the mode
         torch.testing.assert_close(att(x, x, None), ref, atol=0, rtol=0)
+        assert calls[0] == 1
     torch.testing.assert_close(fused, ref, **TOL)
+    with pytest.raises(ValueError, match="flash"), attention_mode("flash"):
+        pass

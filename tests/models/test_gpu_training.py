@@ -179,6 +179,7 @@ def test_bench_train_on_cuda_quick():
     for r in res["rows"]:
         assert r["memory_peak_mb"] > 0 and r["images_per_s"] > 0 and r["tokens_per_s"] > 0
         assert r["precision"] == ("fp32" if r["path"] == "fp32_eager" else res["params"]["precision"])
+        assert r["attention"] == ("explicit" if r["path"] == "fp32_eager" else "fused")
         assert r["loss"] == r["loss"]  # not NaN
     assert {r["batch"] for r in res["rows"]} == {8, 16}
     assert {(r["stage"], r["path"]) for r in res["rows"]} == {
