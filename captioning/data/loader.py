@@ -214,6 +214,12 @@ class Batch:
         return Batch(*(t.to(device, non_blocking=non_blocking) for t in (
             self.features, self.boxes, self.region_mask, self.tokens, self.token_mask, self.image_ids, self.rows)))
 
+    def pin_memory(self) -> Batch:
+        """Page-locked copies (what ``DataLoader(pin_memory=True)`` calls): ``to(cuda, non_blocking=True)`` from
+        them is an asynchronous copy the host does not wait for."""
+        return Batch(*(t.pin_memory() for t in (
+            self.features, self.boxes, self.region_mask, self.tokens, self.token_mask, self.image_ids, self.rows)))
+
     def __len__(self) -> int:
         return self.features.shape[0]
 

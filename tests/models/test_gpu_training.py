@@ -187,3 +187,14 @@ def test_bench_train_on_cuda_quick():
     rows = {(r["stage"], r["path"], r["batch"]): r for r in res["rows"]}
     compiled = rows[("xe", "fast_compiled", 8)]["images_per_s"] / rows[("xe", "fp32_eager", 8)]["images_per_s"]
     assert res["ratios"]["speedup_vs_fp32_eager"] == pytest.approx(compiled, rel=1e-12)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cuda_loader_batches_are_pinned(data, workers):  # noqa: F811
+    from captioning.data.loader import make_loader
+
+    batch = next(iter(make_loader(_dataset(data), 6, workers=workers, pin_memory=True)))
+    assert all(t.is_pinned() for t in vars(batch).values())
+    on_gpu = batch.to(CUDA, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.features.cpu(), batch.features)

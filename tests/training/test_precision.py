@@ -123,3 +123,24 @@ def test_compiled_xe_step_equals_eager(data):  # noqa: F811
     assert compiled == pytest.approx(eager, abs=1e-4)
     for k in eager_sd:
         torch.testing.assert_close(compiled_sd[k], eager_sd[k], atol=1e-4, rtol=1e-3)
+
+
+def test_the_loader_pins_batches(data, monkeypatch):  # noqa: F811
+    """``make_loader(pin_memory=True)`` (CUDA training) pins every tensor of a Batch, so the loop's
+    ``non_blocking`` copies are asynchronous (Tensor.pin_memory is faked: it needs a CUDA device)."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from captioning.data.loader import Batch
+
+    pinned = []
+
+    def fake_pin(self, *a, **kw):
+        pinned.append(self)
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    batch = next(iter(torch.utils.data.DataLoader(_dataset(data), batch_size=6, collate_fn=_collate())))
+    out = pin_memory(batch)  # what the DataLoader's pinning does with each batch
+    assert isinstance(out, Batch) and len(pinned) == 7
+    for a, b in zip(vars(batch).values(), vars(out).values(), strict=True):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
