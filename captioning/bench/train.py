@@ -3,13 +3,14 @@
 Per family (AIC, ACORT, ExpansionNet, LW, SATIC, ZoDIAC; their registry presets at paper size: 6+6 layers,
 d=512, ExpansionNet 3+3 at d=768), with random weights and synthetic data shaped like COCO training: batches of
 50 images x 5 captions (SCST: 50 images x 5 samples), 50 regions x 2048-d float16 features per image, captions
-of 5..16 random words. Batches come through the training loader (``make_loader``; on CUDA pinned memory and 2
-worker processes, ``workers``, the same for both paths; one epoch per measurement) and each step is
+of 5..16 random words. Batches come through the training loader (``make_loader``; on CUDA 2 worker processes,
+``workers``, for both paths; one epoch per measurement) and each step is
 :class:`captioning.training.xe.StepRunner`, the step of :func:`captioning.training.xe.train`. Two paths in the
 same run, each on a fresh model with the same seed:
 
 - ``fp32_eager`` (the anchor, today's path): fp32, explicit attention (``explicit_attention()``), the host reads
-  the loss after every step (``float(loss)``), for-each Adam;
+  the loss after every step (``float(loss)``), for-each Adam, pageable batches (before ``Batch.pin_memory``
+  the loader's ``pin_memory=True`` left them unpinned);
 - ``fast``: ``precision`` (auto = bf16 on a CUDA device that supports it; CPUs run fp32), fused attention
   (``scaled_dot_product_attention``; the ``auto`` attention mode, so CPUs keep the explicit path), the loss read
   once after the timed steps, fused Adam on CUDA; with
@@ -138,7 +139,7 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
             return total, count
 
     runner = StepRunner(model, opt, sched, s, dev, loss_fn=loss_fn)
-    pinned = dev.type == "cuda"
+    pinned = dev.type == "cuda" and not anchor  # today's loader asked for pinning but left its batches pageable
     it = _batches(ds, batch, pinned, workers)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
