@@ -13,8 +13,8 @@ same run, each on a fresh model with the same seed:
   the loader's ``pin_memory=True`` left them unpinned);
 - ``fast``: ``precision`` (auto = bf16 on a CUDA device that supports it; CPUs run fp32), fused attention
   (``scaled_dot_product_attention``; the ``auto`` attention mode, so CPUs keep the explicit path), the loss read
-  once after the timed steps, fused Adam on CUDA; with
-  ``compile`` an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step).
+  once after the timed steps, fused Adam and pinned batches copied ``non_blocking`` on CUDA; with ``compile``
+  an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step).
 
 Each measurement runs ``warmup`` untimed steps, then ``steps`` timed ones (the clock stops after the device has
 finished). Rows give images/s, tokens/s (XE: target tokens; SCST: sampled tokens that are rewarded) and, on CUDA,
