@@ -342,8 +342,6 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
             return res.extracted / s
 
         variants = {"exact-fp32": {"batching": "exact", "amp": False},
-                    "padded-fp32-b8": {"batching": "padded", "amp": False, "batch_size": 8},
-                    "padded-fp32-b32": {"batching": "padded", "amp": False, "batch_size": 32},
                     "padded-bf16": {"batching": "padded", "amp": True, "amp_dtype": "bfloat16"},
                     "padded-fp16": {"batching": "padded", "amp": True, "amp_dtype": "float16"}}
         try:

@@ -74,6 +74,7 @@ RANDOM_WEIGHTS_WARNING = (
     "Faster R-CNN. Fine for tests and the demo's plumbing, meaningless for real captioning."
 )
 BOX_SELECTION = "per-class NMS over proposal boxes; score = best surviving class probability (bottom-up)"
+DEVICE_THREADS = 2  # batches in flight on one CUDA device (each thread its own stream)
 PAD_QUANTUM = 32  # padded batching: the long side of the canvas is a multiple of this
 _PRE_NMS_FLOOR = 6000  # detectron2's default RPN.PRE_NMS_TOPK_TEST for C4 models
 
@@ -447,28 +448,35 @@ class RegionExtractor:
         return ResizeShortestEdge.get_output_shape(h, w, self.cfg.min_size, self.cfg.max_size)
 
     def prepare(self, image: np.ndarray, key: Any = None) -> Prepared:
-        """Resize (PIL bilinear, as detectron2's ResizeShortestEdge) and reorder channels: uint8, still on the CPU.
+        """Resize (PIL bilinear, as detectron2's ResizeShortestEdge): uint8 RGB (h, w, 3), still on the CPU.
 
-        The device converts to float and normalises; the numbers equal the float32 CPU conversion exactly.
+        The device reorders channels, converts to float and normalises (:meth:`_model_input`); bilinear resizing
+        treats channels independently, so the numbers equal detectron2's CPU path (flip, resize, float) exactly.
         """
         from detectron2.data.transforms import ResizeTransform
 
         self._check_images([image])
         shape = self._resized_shape(image)
         h, w = image.shape[:2]
-        img = image[:, :, ::-1] if self.input_format == "BGR" else image
-        img = np.ascontiguousarray(img)
+        img = np.ascontiguousarray(image)
         if (h, w) != shape:
             img = ResizeTransform(h, w, shape[0], shape[1], Image.BILINEAR).apply_image(img)
-        t = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))
+        t = torch.from_numpy(np.ascontiguousarray(img))
         if self.device.type == "cuda":
             t = t.pin_memory()
         return Prepared(key=key, tensor=t, shape=shape, image_size=(int(h), int(w)))
 
+    def _model_input(self, t: torch.Tensor) -> torch.Tensor:
+        """(h, w, 3) uint8 RGB -> (3, h, w) float32 in the model's channel order, where ``t`` is."""
+        x = t.permute(2, 0, 1)
+        if self.input_format == "BGR":
+            x = x.flip(0)
+        return x.float()
+
     def _to_tensor(self, image: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
         p = self.prepare(image)
         assert p.shape == shape
-        return p.tensor.float()
+        return self._model_input(p.tensor)
 
     @staticmethod
     def _check_images(images: list[np.ndarray]) -> None:
@@ -526,7 +534,11 @@ class RegionExtractor:
         from detectron2.structures import ImageList
 
         m = self.model
-        xs = [(t.to(self.device, non_blocking=True).float() - m.pixel_mean) / m.pixel_std for t in tensors]
+        xs = []
+        for t in tensors:  # prepared uint8 HWC RGB, or an already converted float CHW tensor (_to_tensor)
+            t = t.to(self.device, non_blocking=True)
+            x = t if t.dtype == torch.float32 else self._model_input(t)
+            xs.append((x - m.pixel_mean) / m.pixel_std)
         if self.batching == "exact":
             images = ImageList.from_tensors(xs, m.backbone.size_divisibility)
         else:
@@ -641,6 +653,9 @@ class RegionExtractor:
                 log.warning("a batch of %d images failed (%s); extracting image by image", len(batch), e)
                 return [x for p in batch for x in self._detect_safe([p])]
 
+    def _finished(self, d: _Detected | tuple[Any, Exception]) -> list[tuple[Any, Regions | Exception]]:
+        return self._finish(d) if isinstance(d, _Detected) else [d]
+
     # ------------------------------------------------------------------ public API
     def stream(self, items: Iterable[tuple[Any, Callable[[], np.ndarray]]], *, threads: int | None = None,
                window: int | None = None) -> Iterator[tuple[Any, Regions | Exception]]:
@@ -649,8 +664,9 @@ class RegionExtractor:
         completion order.
 
         Overlap: ``threads`` decode/resize threads run ahead of the model (default ``loader_threads``), batches
-        form among up to ``window`` ready images (default 4 x batch_size) by :meth:`_group_key`, and the box
-        selection of a batch runs on a host thread while the device works on the next batch.
+        form among up to ``window`` ready images (default 4 x batch_size) by :meth:`_group_key`, and on CUDA two
+        device threads (each with its own stream) alternate batches, so that one batch's kernels run while the
+        other thread waits on a synchronisation or selects its boxes on the host.
         """
         threads = self.loader_threads if threads is None else threads
         bs = self.cfg.batch_size
@@ -663,28 +679,33 @@ class RegionExtractor:
                 return (key, e)
 
         loaders = ThreadPoolExecutor(threads, thread_name_prefix="capflow-decode") if threads else None
-        host = ThreadPoolExecutor(1, thread_name_prefix="capflow-select")
+        # CUDA: two device threads, each on its own stream, so one batch's kernels run while the other thread's
+        # Python waits (detectron2's RPN synchronises) or selects boxes; CPU: one (the caller's thread count).
+        lanes = DEVICE_THREADS if self.device.type == "cuda" else 1
+        device = ThreadPoolExecutor(lanes, thread_name_prefix="capflow-device")
+        streams: dict[int, Any] = {}
         it = iter(items)
         ahead: deque = deque()
         finishing: deque = deque()
         groups: dict[tuple, list[Prepared]] = {}
         held = 0
 
+        def run(batch: list[Prepared]) -> list[tuple[Any, Regions | Exception]]:
+            if self.device.type != "cuda":
+                return [x for d in self._detect_safe(batch) for x in self._finished(d)]
+            import threading
+
+            stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(self.device))
+            with torch.cuda.stream(stream):
+                dets = self._detect_safe(batch)
+            return [x for d in dets for x in self._finished(d)]
+
         def launch(batch: list[Prepared]):
-            for d in self._detect_safe(batch):
-                if isinstance(d, _Detected):
-                    finishing.append(host.submit(self._finish, d))
-                else:
-                    finishing.append(d)
+            finishing.append(device.submit(run, batch))
 
         def drain(block: bool):
-            while finishing and (block or len(finishing) > 2 or not hasattr(finishing[0], "done")
-                                 or finishing[0].done()):
-                f = finishing.popleft()
-                if hasattr(f, "result"):
-                    yield from f.result()
-                else:
-                    yield f
+            while finishing and (block or len(finishing) > lanes or finishing[0].done()):
+                yield from finishing.popleft().result()
 
         try:
             while True:
@@ -718,7 +739,7 @@ class RegionExtractor:
         finally:
             if loaders:
                 loaders.shutdown(wait=True, cancel_futures=True)
-            host.shutdown(wait=True)
+            device.shutdown(wait=True)
 
     def __call__(self, images: list[np.ndarray]) -> list[Regions]:
         """Regions of each image (same order). Raises ExtractionError for non-finite model outputs."""
