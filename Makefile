@@ -12,6 +12,8 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_HOME ?= $(CURDIR)/.capflow/prefect
+# Prefect's temporary server (capflow run, the tests) gets 90 s to start, not 20 s: enough on a loaded machine
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 
 .PHONY: install browser stack-up stack-down test test-fast test-gpu lint format demo lock clean help
 

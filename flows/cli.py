@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -280,7 +281,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if os.environ.get("PREFECT_HOME"):  # Prefect's local server cannot create its database in a missing folder
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
-    from flows.pipeline import build_config, pipeline
+    from flows.pipeline import PrefectUnavailable, build_config, pipeline, start_prefect_api
+    from tasks.tracking import TrackingUnavailable, preflight, tracking_uri
 
     students = parse_students(args.students)
     try:
@@ -288,8 +290,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                            students, not args.no_scst)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    res = pipeline(preset=args.preset or ("demo" if not args.config else None), config_path=args.config,
-                   overrides=list(args.overrides), students=students, scst=not args.no_scst)
+    try:
+        preflight(tracking_uri(cfg))  # an unreachable tracking server: a clear error before anything starts
+        start_prefect_api()  # Prefect's temporary server (no PREFECT_API_URL): its failure named, with a way out
+        res = pipeline(preset=args.preset or ("demo" if not args.config else None), config_path=args.config,
+                       overrides=list(args.overrides), students=students, scst=not args.no_scst)
+    except (TrackingUnavailable, PrefectUnavailable) as e:
+        raise CLIError(str(e)) from None
     if args.json:
         _print_json(res)
         return 0 if not res["failed"] else 1
@@ -632,6 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before anything imports prefect (it reads its settings once): the temporary Prefect server that `capflow run`
+    # starts gets 90 s instead of Prefect's 20 s, which a loaded machine overran (an explicit setting wins)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

@@ -12,10 +12,15 @@ re-reads the dataset; a killed run resumes where it stopped (chunks, epoch check
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+# Prefect's temporary server gets 20 s to start by default, too little on a loaded machine (2 of 16 starts failed
+# on a busy 2-core box); read when prefect is first imported, so set before it (flows.cli sets it earlier still).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -95,15 +100,15 @@ def what_changed(summary: dict[str, Any]) -> str:
 
 
 def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | None = None) -> dict[str, Any]:
-    tracker = Tracker(cfg)
-    parent = tracker.start("pipeline", tags={"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
-                                             "config_digest": cfg.digest(), "code_version": code_version(),
-                                             "capflow.preset_name": cfg.run.name})
-    tracker.params(parent, cfg.model_dump(mode="json"))
-    tracker.text_artifact(parent, "config.yaml", config_yaml(cfg))  # credentials redacted
-    rc = RunContext(cfg, tracker, parent, StageCache(cfg.workdir),
-                    progress=sys.stderr.isatty() if progress is None else progress)
-    try:
+    tracker = Tracker(cfg)  # fails fast (before any stage) when the tracking server is unreachable
+    tracker.end_orphaned_runs()  # runs of an earlier pipeline run that was killed: KILLED, not RUNNING forever
+    with tracker.run("pipeline", tags={"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
+                                       "config_digest": cfg.digest(), "code_version": code_version(),
+                                       "capflow.preset_name": cfg.run.name}) as parent:
+        tracker.params(parent, cfg.model_dump(mode="json"))
+        tracker.text_artifact(parent, "config.yaml", config_yaml(cfg))  # credentials redacted
+        rc = RunContext(cfg, tracker, parent, StageCache(cfg.workdir),
+                        progress=sys.stderr.isatty() if progress is None else progress)
         data = ingest_task(rc)
         feats = extract_task(rc, data)
         labels = vocab_task(rc, data, feats)
@@ -118,12 +123,8 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
             results += [f.result() for f in futures]
         board = leaderboard_task(rc, results)
         promo = promote_task(rc, board, data["digest"])
-    except BaseException:
-        tracker.end(parent, "FAILED")
-        raise
+        tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
     failed = board["failed"]
-    tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
-    tracker.end(parent, "FINISHED")
     summary = {
         "mlflow_run_id": parent,
         "tracking_uri": tracker.display_uri,  # credentials (from MLFLOW_TRACKING_URI) masked
@@ -139,3 +140,38 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
     }
     return summary
 
+
+class PrefectUnavailable(RuntimeError):
+    """Prefect's temporary API server did not start."""
+
+
+def start_prefect_api() -> str | None:
+    """Without ``PREFECT_API_URL``, start Prefect's temporary (ephemeral) API server now - the flow would start it
+    on its first call - so that a failure says what happened and what to do instead of Prefect's bare
+    RuntimeError. The start-up timeout is ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` (capflow's
+    default 90 s: Prefect's 20 s is too short on a loaded machine). Returns the API URL in use."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
+
+    api = PREFECT_API_URL.value()
+    if api or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return api or None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+    server = SubprocessASGIServer()
+    try:
+        server.start(timeout=timeout)
+    except Exception as e:
+        server.stop()  # a server still starting is not left behind
+        cause = " ".join(str(e).split())
+        cause = cause if len(cause) <= 600 else cause[:300] + " ... " + cause[-300:]
+        raise PrefectUnavailable(
+            f"Prefect's temporary API server did not start within {timeout} s ({cause}). A busy machine is the usual "
+            f"cause: allow it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={max(2 * timeout, 180)}), or "
+            "run a lasting server once and reuse it: capflow stack up --home DIR, then "
+            'eval "$(capflow stack env --home DIR)" and run again') from None
+    return server.api_url

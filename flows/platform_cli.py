@@ -44,7 +44,9 @@ def cmd_stack(args: argparse.Namespace) -> int:
             print(json.dumps(res, indent=2))
         else:
             print("stack down" + (f"; ports still in use: {', '.join(res['ports_still_in_use'])}"
-                                  if res["ports_still_in_use"] else ""))
+                                  if res["ports_still_in_use"] else "")
+                  + (f"; {len(res['runs_killed'])} unfinished MLflow run(s) marked KILLED"
+                     if res["runs_killed"] else ""))
         return 0 if not res["ports_still_in_use"] else 1
     if args.action == "status":
         res = st.status()

@@ -306,7 +306,29 @@ class Stack:
         self.started_at = None
         self.save()
         left = [f"{n}:{p}" for n, p in self.ports.items() if not port_free(p)]
-        return {"stopped": True, "ports_still_in_use": left}
+        return {"stopped": True, "ports_still_in_use": left, "runs_killed": self.end_orphaned_runs()}
+
+    def end_orphaned_runs(self) -> list[str]:
+        """With the servers stopped: end KILLED the MLflow runs left RUNNING in the stack's store whose process is
+        gone (a killed pipeline or worker) - nothing can write to them any more. Runs of a process that still
+        lives stay RUNNING (it ends them itself, or the next run of its pipeline does)."""
+        db = self.home / "mlflow.db"
+        if not db.is_file():
+            return []
+        try:
+            from mlflow import MlflowClient
+
+            from tasks.tracking import end_orphaned_runs
+
+            client = MlflowClient(f"sqlite:///{db}")
+            ids = [e.experiment_id for e in client.search_experiments(max_results=1000)]
+            ended = end_orphaned_runs(client, ids, unowned=True, note="capflow stack down: its process was gone")
+        except Exception as e:  # stopping has succeeded; say what was not done
+            log.error("could not mark the stack's unfinished MLflow runs KILLED (%s): %s", db, e)
+            return []
+        if ended:
+            log.info("marked %d unfinished MLflow run(s) KILLED", len(ended))
+        return ended
 
     # ------------------------------------------------------------------ bucket snapshot (moto keeps memory only)
     def s3_client(self):

@@ -34,12 +34,11 @@ def ingest_task(rc: RunContext) -> dict[str, Any]:
     rc.tracker.metrics(rc.parent_run, counts)  # counted in the parent run on every run
     if hit is not None:
         return hit
-    run = rc.tracker.start("ingest", rc.parent_run)
-    rc.tracker.dataset(run, "dataset", ds.digest, ds.source, "raw", counts)
-    rc.tracker.metrics(run, {**counts, "seconds": time.perf_counter() - t0})
-    rc.tracker.json_artifact(run, "rejects.json", rejects)
-    rc.tracker.json_artifact(rc.parent_run, "rejects.json", rejects)
-    rc.tracker.end(run)
+    with rc.tracker.run("ingest", rc.parent_run) as run:
+        rc.tracker.dataset(run, "dataset", ds.digest, ds.source, "raw", counts)
+        rc.tracker.metrics(run, {**counts, "seconds": time.perf_counter() - t0})
+        rc.tracker.json_artifact(run, "rejects.json", rejects)
+        rc.tracker.json_artifact(rc.parent_run, "rejects.json", rejects)
     return rc.done("ingest", key, {"run_id": run, "dataset_path": str(path), "digest": ds.digest, **counts})
 
 
@@ -54,28 +53,27 @@ def extract_task(rc: RunContext, data: dict[str, Any]) -> dict[str, Any]:
     if hit is not None:
         return hit
     ds = Dataset.load(data["dataset_path"])
-    run = rc.tracker.start("extract", rc.parent_run)
-    rc.tracker.params(run, {"features": cfg.features.model_dump(mode="json")})
-    rc.tracker.dataset(run, "dataset", data["digest"], ds.source, "input")
-    t0 = time.perf_counter()
-    if cfg.features.source == "synthetic-informative":
-        from captioning.data.synthetic_features import informative_store_for
+    with rc.tracker.run("extract", rc.parent_run) as run:
+        rc.tracker.params(run, {"features": cfg.features.model_dump(mode="json")})
+        rc.tracker.dataset(run, "dataset", data["digest"], ds.source, "input")
+        t0 = time.perf_counter()
+        if cfg.features.source == "synthetic-informative":
+            from captioning.data.synthetic_features import informative_store_for
 
-        store = informative_store_for(cfg, ds, uri, progress=rc.progress)
-        info: dict[str, Any] = {"extracted": store.num_rows}
-    else:
-        res = extract_features(cfg, ds, uri=uri, progress=rc.progress)
-        info = {"extracted": res.extracted, "skipped_chunks": res.skipped_chunks,
-                "seconds_per_image": res.seconds_per_image}
-        store = FeatureStore.open(uri)
-    summary = store.summary()
-    manifest = store.manifest()
-    rc.tracker.metrics(run, {"images": summary["images"], "ok": summary["ok"], "rejected": len(summary["rejected"]),
-                             "boxes_mean": summary["boxes"]["mean"], "seconds": time.perf_counter() - t0, **info})
-    rc.tracker.json_artifact(run, "manifest.json", manifest)
-    rc.tracker.json_artifact(run, "feature_rejects.json", summary["rejected"])
-    rc.tracker.metrics(rc.parent_run, {"feature_rejects": len(summary["rejected"])})
-    rc.tracker.end(run)
+            store = informative_store_for(cfg, ds, uri, progress=rc.progress)
+            info: dict[str, Any] = {"extracted": store.num_rows}
+        else:
+            res = extract_features(cfg, ds, uri=uri, progress=rc.progress)
+            info = {"extracted": res.extracted, "skipped_chunks": res.skipped_chunks,
+                    "seconds_per_image": res.seconds_per_image}
+            store = FeatureStore.open(uri)
+        summary = store.summary()
+        manifest = store.manifest()
+        rc.tracker.metrics(run, {"images": summary["images"], "ok": summary["ok"], "rejected": len(summary["rejected"]),
+                                 "boxes_mean": summary["boxes"]["mean"], "seconds": time.perf_counter() - t0, **info})
+        rc.tracker.json_artifact(run, "manifest.json", manifest)
+        rc.tracker.json_artifact(run, "feature_rejects.json", summary["rejected"])
+        rc.tracker.metrics(rc.parent_run, {"feature_rejects": len(summary["rejected"])})
     log.info("extract: %s ok of %s images -> %s", summary["ok"], summary["images"], uri)
     return rc.done("extract", key, {"run_id": run, "uri": uri, "digest": manifest["digest"], "ok": summary["ok"],
                                     "rejected": len(summary["rejected"])})
@@ -90,21 +88,21 @@ def vocab_task(rc: RunContext, data: dict[str, Any], feats: dict[str, Any]) -> d
     if hit is not None:
         return hit
     ds = Dataset.load(data["dataset_path"])
-    run = rc.tracker.start("vocab", rc.parent_run)
-    rc.tracker.params(run, {"vocab": cfg.vocab.model_dump(mode="json"), "max_words": cfg.dataset.max_words})
-    rc.tracker.dataset(run, "dataset", data["digest"], ds.source, "input")
-    out: Path = rc.cache.workdir("vocab", key)
-    vocab = build_vocabulary(list(ds.captions("train")), cfg.vocab.min_count, cfg.vocab.radix_base)
-    vocab_path = vocab.save(out / "vocab.json")
-    rows = FeatureStore.open(feats["uri"]).row_of()
-    store = build_labels(ds, vocab, str(out / "labels.zarr"), cfg.dataset.max_words, rows)
-    digest = store.digest()
-    radix = vocab.radix()
-    rc.tracker.dataset(run, "labels", digest, store.uri, "output", {"captions": int(store.group["tokens"].shape[0])})
-    rc.tracker.metrics(run, {"words": len(vocab.words), "ids": len(vocab), "radix_digits": radix.digits,
-                             "captions": int(store.group["tokens"].shape[0])})
-    rc.tracker.artifact(run, vocab_path)
-    rc.tracker.end(run)
+    with rc.tracker.run("vocab", rc.parent_run) as run:
+        rc.tracker.params(run, {"vocab": cfg.vocab.model_dump(mode="json"), "max_words": cfg.dataset.max_words})
+        rc.tracker.dataset(run, "dataset", data["digest"], ds.source, "input")
+        out: Path = rc.cache.workdir("vocab", key)
+        vocab = build_vocabulary(list(ds.captions("train")), cfg.vocab.min_count, cfg.vocab.radix_base)
+        vocab_path = vocab.save(out / "vocab.json")
+        rows = FeatureStore.open(feats["uri"]).row_of()
+        store = build_labels(ds, vocab, str(out / "labels.zarr"), cfg.dataset.max_words, rows)
+        digest = store.digest()
+        radix = vocab.radix()
+        rc.tracker.dataset(run, "labels", digest, store.uri, "output",
+                           {"captions": int(store.group["tokens"].shape[0])})
+        rc.tracker.metrics(run, {"words": len(vocab.words), "ids": len(vocab), "radix_digits": radix.digits,
+                                 "captions": int(store.group["tokens"].shape[0])})
+        rc.tracker.artifact(run, vocab_path)
     return rc.done("vocab", key, {"run_id": run, "vocab_path": str(vocab_path), "labels_uri": store.uri,
                                   "labels_digest": digest, "vocab_digest": vocab.digest()})
 

@@ -7,18 +7,33 @@ SQLite file ``<workdir>/mlflow.db`` with artifacts under ``<workdir>/mlartifacts
 backoff. Parameters are the flattened config; nothing that looks like a credential is ever logged: params, tags,
 text artifacts (``config.yaml``) and warnings all go through :mod:`captioning.redact` (credentials belong in the
 environment: ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, ``AWS_*``).
+
+Runs always end: :meth:`Tracker.run` is a context manager that ends its run FINISHED, FAILED (an exception) or
+KILLED (an interrupt, SIGTERM, a Prefect cancellation). Every run records its owner process (host, pid, process
+start time); runs whose owner died without ending them (SIGKILL, power loss) are marked KILLED by the next
+pipeline run of the same experiment (:meth:`Tracker.end_orphaned_runs`) and by ``capflow stack down``.
+
+Fail fast: a tracking server that cannot be reached is reported within ~20 s, before any stage runs
+(:func:`preflight`), and MLflow's own HTTP retries are capped (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
+``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``, each only when not set already) so
+they nest inside capflow's own retries in about a minute instead of many.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
@@ -34,6 +49,125 @@ PARENT_TAG = "mlflow.parentRunId"
 # its own output (``--json`` documents), so those links are left out (the CLI prints where the runs are).
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 MAX_PARAM = 6000
+# MLflow retries a failed HTTP request 7 times with backoff factor 2 and waits up to 120 s for each answer: about
+# 4.5 minutes per call before capflow's own retries even start. These caps (only where the user set nothing)
+# keep one call under ~1 minute; capflow retries transient failures itself (:func:`retry`).
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+# who started a run: an orphaned RUNNING run (its owner is gone) is ended KILLED by the next pipeline run
+OWNER_HOST, OWNER_PID, OWNER_START = "capflow.owner.host", "capflow.owner.pid", "capflow.owner.start"
+PREFLIGHT_DELAYS = (1.0, 2.0, 4.0, 8.0)  # waits between reachability attempts: ~15 s, plus connect timeouts
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server cannot be reached (raised before any stage runs)."""
+
+
+def limit_http_retries() -> None:
+    """Cap MLflow's HTTP retries and timeouts (see ``HTTP_LIMITS``) unless the environment sets them."""
+    for k, v in HTTP_LIMITS.items():
+        os.environ.setdefault(k, v)
+
+
+limit_http_retries()
+
+
+def preflight(uri: str, delays: tuple[float, ...] = PREFLIGHT_DELAYS, timeout: float = 5.0) -> None:
+    """Raise :class:`TrackingUnavailable` (with the cause and the way out) when an http(s) tracking server does
+    not answer: a TCP connection and any HTTP answer to ``GET <uri>/health`` (even 401/404: something answers).
+    Tried ``len(delays) + 1`` times, so a server that is restarting gets a few seconds; other URIs (sqlite,
+    databricks, ...) pass, their first call fails fast on its own."""
+    u = urlparse(uri)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return
+    shown = redact(uri)
+    t0 = time.monotonic()
+    cause = ""
+    for i in range(len(delays) + 1):
+        try:
+            port = u.port or (443 if u.scheme == "https" else 80)
+            socket.create_connection((u.hostname, port), timeout=timeout).close()
+            req = urllib.request.Request(f"{uri.rstrip('/')}/health", method="GET")
+            try:
+                with urllib.request.urlopen(req, timeout=timeout):  # http(s) only (checked above)
+                    pass
+            except urllib.error.HTTPError:
+                pass  # it answered (an auth proxy, no /health route): reachable
+            return
+        except (OSError, ValueError) as e:  # refused, no route, DNS, timeout, TLS
+            reason = getattr(e, "reason", None) or e
+            cause = f"{type(reason).__name__}: {redact(reason)}" if not isinstance(reason, str) else redact(reason)
+        if i < len(delays):
+            log.warning("MLflow tracking server %s not reachable (%s); trying again in %.0f s", shown, cause,
+                        delays[i])
+            time.sleep(delays[i])
+    raise TrackingUnavailable(
+        f"the MLflow tracking server {shown} is unreachable ({cause}; {len(delays) + 1} attempts in "
+        f"{time.monotonic() - t0:.0f} s); nothing was run. Start it (a local one: capflow stack up --home DIR, then "
+        'eval "$(capflow stack env --home DIR)"), fix MLFLOW_TRACKING_URI / tracking.tracking_uri, or unset both '
+        "to record into <workdir>/mlflow.db")
+
+
+def _process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), "" elsewhere: tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def owner_tags() -> dict[str, str]:
+    pid = os.getpid()
+    return {OWNER_HOST: socket.gethostname(), OWNER_PID: str(pid), OWNER_START: _process_start(pid)}
+
+
+def owner_alive(tags: Mapping[str, str]) -> bool | None:
+    """Whether the process that started a run still runs: None when unknown (no owner recorded, another host)."""
+    if OWNER_PID not in tags or tags.get(OWNER_HOST) != socket.gethostname():
+        return None
+    try:
+        pid = int(tags[OWNER_PID])
+        os.kill(pid, 0)
+    except ValueError:
+        return None
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    start = tags.get(OWNER_START, "")
+    if start and _process_start(pid) not in ("", start):
+        return False  # the pid was reused by a newer process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False  # a zombie has finished
+    except (OSError, IndexError):
+        pass
+    return True
+
+
+def end_orphaned_runs(client: MlflowClient, experiment_ids: list[str], *, unowned: bool = False,
+                      note: str = "") -> list[str]:
+    """End KILLED every RUNNING run of these experiments whose owner process is gone (a killed pipeline);
+    with ``unowned`` also runs that recorded no owner or another host's (``capflow stack down``: nothing can
+    still be writing to the stack's store). Returns the run ids ended."""
+    ended: list[str] = []
+    token = None
+    while True:
+        page = retry(lambda t=token: client.search_runs(experiment_ids, "attributes.status = 'RUNNING'",
+                                                        max_results=1000, page_token=t), "search running runs")
+        for r in page:
+            alive = owner_alive(r.data.tags)
+            if alive is False or (alive is None and unowned):
+                rid = r.info.run_id
+                retry(lambda rid=rid: client.set_tag(rid, "capflow.ended_by", note or "capflow: owner gone"),
+                      "tag orphaned run")
+                retry(lambda rid=rid: client.set_terminated(rid, status="KILLED"), "end orphaned run")
+                ended.append(rid)
+        token = page.token
+        if not token:
+            return ended
 
 
 def tracking_uri(cfg: PipelineConfig) -> str:
@@ -93,6 +227,8 @@ class Tracker:
         self.display_uri = redact(self.uri)  # what may be printed, logged or stored
         if self.uri.startswith("sqlite:///"):
             cfg.workdir.mkdir(parents=True, exist_ok=True)
+        limit_http_retries()
+        preflight(self.uri)
         self.client = MlflowClient(self.uri)
         name = cfg.tracking.experiment or cfg.run.name
         exp = retry(lambda: self.client.get_experiment_by_name(name), "get experiment")
@@ -109,7 +245,9 @@ class Tracker:
 
     # ------------------------------------------------------------------ runs
     def start(self, name: str, parent: str | None = None, tags: Mapping[str, Any] | None = None) -> str:
+        """Create a run (prefer :meth:`run`, which always ends it)."""
         t = {k: redact(v) for k, v in (tags or {}).items() if not SECRET_KEY.search(k)}
+        t.update(owner_tags())
         if parent:
             t[PARENT_TAG] = parent
         run = retry(lambda: self.client.create_run(self.experiment_id, run_name=name, tags=t), f"create run {name}")
@@ -117,6 +255,34 @@ class Tracker:
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
         retry(lambda: self.client.set_terminated(run_id, status=status), "end run")
+
+    @contextlib.contextmanager
+    def run(self, name: str, parent: str | None = None, tags: Mapping[str, Any] | None = None) -> Iterator[str]:
+        """``with tracker.run("extract", parent=p) as run_id:`` - a run that ends FINISHED when the block
+        completes, FAILED when it raises an exception (tagged ``capflow.error``), KILLED on an interrupt
+        (KeyboardInterrupt, SystemExit from SIGTERM, Prefect's cancellation/termination signals)."""
+        run_id = self.start(name, parent, tags)
+        try:
+            yield run_id
+        except BaseException as e:
+            status = "FAILED" if isinstance(e, Exception) else "KILLED"
+            try:  # the block's exception is what matters; failing to record the end must not replace it
+                self.tags(run_id, {"capflow.error": f"{type(e).__name__}: {redact(e)}"[:500]})
+                self.end(run_id, status)
+            except Exception as end_error:
+                log.warning("could not end MLflow run %s (%s) as %s: %s", run_id, name, status, end_error)
+            raise
+        self.end(run_id, "FINISHED")
+
+    def end_orphaned_runs(self) -> list[str]:
+        """End KILLED this experiment's RUNNING runs whose owner process is gone (see :func:`end_orphaned_runs`);
+        called at the start of every pipeline run."""
+        ended = end_orphaned_runs(self.client, [self.experiment_id],
+                                  note="capflow: ended by a later pipeline run (its process was gone)")
+        if ended:
+            log.warning("marked %d MLflow run(s) of an earlier, killed pipeline run KILLED: %s", len(ended),
+                        ", ".join(ended))
+        return ended
 
     def params(self, run_id: str, params: Mapping[str, Any]) -> None:
         items = [Param(k, v) for k, v in flatten(params).items()]
@@ -171,24 +337,47 @@ class Tracker:
     # ------------------------------------------------------------------ registry
     def register(self, run_id: str, artifact_path: str, tags: Mapping[str, Any]) -> str:
         name = self.cfg.tracking.model_name
-        try:
-            retry(lambda: self.client.get_registered_model(name), "get registered model")
-        except RuntimeError:
-            retry(lambda: self.client.create_registered_model(name), "create registered model")
+        if retry(lambda: _absent_as_none(lambda: self.client.get_registered_model(name)),
+                 "get registered model") is None:
+            # students register in parallel: another one may create it first
+            retry(lambda: _existing_ok(lambda: self.client.create_registered_model(name)),
+                  "create registered model")
         mv = retry(lambda: self.client.create_model_version(name, f"runs:/{run_id}/{artifact_path}", run_id=run_id,
                                                             tags={k: str(v) for k, v in tags.items()}),
                    "create model version")
         return str(mv.version)
 
     def champion(self) -> tuple[str | None, dict[str, str]]:
-        """(version, tags) of the current ``champion`` alias, (None, {}) if none."""
+        """(version, tags) of the current ``champion`` alias, (None, {}) only when the registered model does not
+        exist or has no such alias. Any other failure is retried (transient) or raised - never read as "no
+        champion", which would hand the alias to a worse model."""
         name = self.cfg.tracking.model_name
-        try:
-            mv = self.client.get_model_version_by_alias(name, "champion")
-        except MlflowException:
+        rm = retry(lambda: _absent_as_none(lambda: self.client.get_registered_model(name)), "get registered model")
+        aliases = dict(getattr(rm, "aliases", None) or {}) if rm is not None else {}
+        if "champion" not in aliases:
             return None, {}
+        mv = retry(lambda: self.client.get_model_version(name, str(aliases["champion"])), "get champion version")
         return str(mv.version), dict(mv.tags)
 
     def set_champion(self, version: str) -> None:
         retry(lambda: self.client.set_registered_model_alias(self.cfg.tracking.model_name, "champion", version),
               "set alias")
+
+
+def _absent_as_none(fn: Callable[[], T]) -> T | None:
+    """``fn()``, or None when MLflow says the resource does not exist (every other error propagates)."""
+    try:
+        return fn()
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+
+
+def _existing_ok(fn: Callable[[], T]) -> T | None:
+    try:
+        return fn()
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_ALREADY_EXISTS":
+            return None
+        raise

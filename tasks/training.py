@@ -49,18 +49,17 @@ def teacher_task(rc: RunContext, data, feats, labels) -> dict[str, Any]:
         return hit
     ctx = _context(rc, data, feats, labels)
     arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
-    run = rc.tracker.start("teacher", rc.parent_run, {"capflow.arch": cfg.teacher.model.arch})
-    s = xe_settings(cfg.teacher.xe, cfg)
-    rc.tracker.params(run, {"arch": arch.to_dict(), "xe": vars(s)})
-    _inputs(rc, run, data, feats, labels)
-    out = rc.cache.workdir("teacher", key)
-    _, res, _ = fit_xe(ctx, arch, out, settings=s, on_epoch=_epoch_logger(rc, run))
-    best = res.best_checkpoint or res.last_checkpoint
-    rc.tracker.metrics(run, {"best_val_CIDEr": res.best_metric, "best_epoch": res.best_epoch,
-                             "resumed_from_epoch": res.resumed_from_epoch})
-    rc.tracker.artifact(run, best, "checkpoint")
-    rc.tracker.json_artifact(run, "history.json", res.history)
-    rc.tracker.end(run)
+    with rc.tracker.run("teacher", rc.parent_run, {"capflow.arch": cfg.teacher.model.arch}) as run:
+        s = xe_settings(cfg.teacher.xe, cfg)
+        rc.tracker.params(run, {"arch": arch.to_dict(), "xe": vars(s)})
+        _inputs(rc, run, data, feats, labels)
+        out = rc.cache.workdir("teacher", key)
+        _, res, _ = fit_xe(ctx, arch, out, settings=s, on_epoch=_epoch_logger(rc, run))
+        best = res.best_checkpoint or res.last_checkpoint
+        rc.tracker.metrics(run, {"best_val_CIDEr": res.best_metric, "best_epoch": res.best_epoch,
+                                 "resumed_from_epoch": res.resumed_from_epoch})
+        rc.tracker.artifact(run, best, "checkpoint")
+        rc.tracker.json_artifact(run, "history.json", res.history)
     return rc.done("teacher", key, {"run_id": run, "checkpoint": str(best), "checkpoint_digest": sha256_file(best),
                                     "best_val_cider": res.best_metric})
 
@@ -76,22 +75,21 @@ def seqkd_task(rc: RunContext, data, feats, labels, teacher: dict[str, Any]) -> 
         return hit
     name = f"seqkd:{teacher['checkpoint_digest'][:12]}"
     ctx = _context(rc, data, feats, labels)
-    run = rc.tracker.start("seqkd", rc.parent_run)
-    rc.tracker.params(run, {"beam": cfg.students.seqkd_beam, "max_words": cfg.dataset.max_words, "source": name,
-                            "teacher_run": teacher["run_id"]})
-    rc.tracker.dataset(run, "teacher-checkpoint", teacher["checkpoint_digest"], teacher["checkpoint"], "model")
-    report: dict[str, Any]
-    if name in ctx.labels.sources.values():  # written by a run that died before recording it
-        report = {"source": name, "reused": True}
-    else:
-        model, _ = load_model(teacher["checkpoint"], device=ctx.device)
-        report = seqkd(ctx, model, name).to_json()
-    digest = LabelStore.open(labels["labels_uri"]).digest()
-    rc.tracker.dataset(run, "seqkd-captions", digest, labels["labels_uri"], "output",
-                       {k: v for k, v in report.items() if k != "source"})
-    rc.tracker.metrics(run, report)
-    rc.tracker.json_artifact(run, "seqkd_report.json", report)
-    rc.tracker.end(run)
+    with rc.tracker.run("seqkd", rc.parent_run) as run:
+        rc.tracker.params(run, {"beam": cfg.students.seqkd_beam, "max_words": cfg.dataset.max_words, "source": name,
+                                "teacher_run": teacher["run_id"]})
+        rc.tracker.dataset(run, "teacher-checkpoint", teacher["checkpoint_digest"], teacher["checkpoint"], "model")
+        report: dict[str, Any]
+        if name in ctx.labels.sources.values():  # written by a run that died before recording it
+            report = {"source": name, "reused": True}
+        else:
+            model, _ = load_model(teacher["checkpoint"], device=ctx.device)
+            report = seqkd(ctx, model, name).to_json()
+        digest = LabelStore.open(labels["labels_uri"]).digest()
+        rc.tracker.dataset(run, "seqkd-captions", digest, labels["labels_uri"], "output",
+                           {k: v for k, v in report.items() if k != "source"})
+        rc.tracker.metrics(run, report)
+        rc.tracker.json_artifact(run, "seqkd_report.json", report)
     return rc.done("seqkd", key, {"run_id": run, "source": name, "labels_digest": digest, "report": report})
 
 
@@ -132,58 +130,57 @@ def _student(rc: RunContext, name: str, data, feats, labels, teacher, kd, scst: 
         return hit
     captions = "seqkd" if name in cfg.students.seqkd_for else "ground_truth"
     init = teacher["checkpoint"] if name in cfg.students.teacher_init_for else None
-    run = rc.tracker.start(pname, rc.parent_run, {"capflow.student": name})
-    s = xe_settings(cfg.students.xe, cfg)
-    rc.tracker.params(run, {"student": name, "preset": pname, "captions": captions, "init_from_teacher": bool(init),
-                            "arch": arch.to_dict(), "xe": vars(s)})
-    _inputs(rc, run, data, feats, labels)
-    if captions == "seqkd":
-        rc.tracker.dataset(run, "seqkd-captions", kd["labels_digest"], labels["labels_uri"], "training")
-    if init:
-        rc.tracker.dataset(run, "teacher-checkpoint", teacher["checkpoint_digest"], init, "init")
-    out = rc.cache.workdir(stage, key)
-    t0 = time.perf_counter()
-    model, res, info = fit_xe(ctx, arch, out / "xe", settings=s, captions=captions,
-                              seqkd_source=kd["source"] if captions == "seqkd" else None, init_from=init,
-                              on_epoch=_epoch_logger(rc, run))
-    rc.tracker.metrics(run, {"xe_best_val_CIDEr": res.best_metric, "xe_seconds": time.perf_counter() - t0,
-                             "xe_resumed_from_epoch": res.resumed_from_epoch,
-                             **{k: v for k, v in info.items() if k.startswith("init_") and isinstance(v, int)}})
-    final_ckpt = res.best_checkpoint or res.last_checkpoint
-    if scst:
-        srun = rc.tracker.start("scst", run, {"capflow.student": name})
-        ss = scst_settings(cfg.students.scst, cfg)
-        rc.tracker.params(srun, {"scst": cfg.students.scst.model_dump(mode="json"), "settings": vars(ss)})
-        t1 = time.perf_counter()
-        model, sres = fit_scst(ctx, final_ckpt, out / "scst", settings=ss, on_epoch=_epoch_logger(rc, srun))
-        # best_epoch -1: no SCST epoch beat the XE weights on validation, and they are what goes on
-        rc.tracker.metrics(srun, {"best_val_CIDEr": sres.best_metric, "best_epoch": sres.best_epoch,
-                                  "seconds": time.perf_counter() - t1, "resumed_from_epoch": sres.resumed_from_epoch})
-        rc.tracker.end(srun)
-        final_ckpt = sres.best_checkpoint or sres.last_checkpoint
-    erun = rc.tracker.start("evaluate", run, {"capflow.student": name})
-    ev = evaluate(ctx, model, arch_name=name)
-    preds = ev.pop("predictions")
-    test = {k: v for k, v in ev["metrics"].items() if v is not None}
-    summary = {"params": ev["params"], "latency_ms": ev["latency_ms"], "novel_fraction": ev["novel_fraction"],
-               "avg_length": ev["avg_length"], "unique_fraction": ev["unique_fraction"]}
-    rc.tracker.metrics(erun, {**test, **summary})
-    rc.tracker.json_artifact(erun, "predictions.json", preds)
-    rc.tracker.json_artifact(erun, "metrics.json", ev)
-    rc.tracker.end(erun)
-    rc.tracker.metrics(run, {f"test_{k}": v for k, v in {**test, **summary}.items()})
-    # the model folder: checkpoint + vocabulary + what produced it (registered below)
-    st = checkpoint.load(final_ckpt)
-    model_dir = checkpoint.save_model_dir(
-        out / "model", model=model, arch=st["arch"], vocab=labels["vocab_path"],
-        features=cfg.features.model_dump(mode="json"), student=name, preset=pname, max_words=cfg.dataset.max_words,
-        beam=cfg.evaluation.beam, test_metrics=test, vocab_digest=st["vocab_digest"], epoch=st["epoch"],
-        step=st["step"], weights_cache_dir=cfg.workdir / "cache" / "weights")  # the extraction's weights cache
-    rc.tracker.artifact(run, model_dir, "model")
-    test_set = data["digest"]
-    version = rc.tracker.register(run, "model", {"student": name, "preset": pname, "test_CIDEr": test.get("CIDEr"),
-                                                 "test_set": test_set})
-    rc.tracker.end(run)
+    with rc.tracker.run(pname, rc.parent_run, {"capflow.student": name}) as run:
+        s = xe_settings(cfg.students.xe, cfg)
+        rc.tracker.params(run, {"student": name, "preset": pname, "captions": captions,
+                                "init_from_teacher": bool(init), "arch": arch.to_dict(), "xe": vars(s)})
+        _inputs(rc, run, data, feats, labels)
+        if captions == "seqkd":
+            rc.tracker.dataset(run, "seqkd-captions", kd["labels_digest"], labels["labels_uri"], "training")
+        if init:
+            rc.tracker.dataset(run, "teacher-checkpoint", teacher["checkpoint_digest"], init, "init")
+        out = rc.cache.workdir(stage, key)
+        t0 = time.perf_counter()
+        model, res, info = fit_xe(ctx, arch, out / "xe", settings=s, captions=captions,
+                                  seqkd_source=kd["source"] if captions == "seqkd" else None, init_from=init,
+                                  on_epoch=_epoch_logger(rc, run))
+        rc.tracker.metrics(run, {"xe_best_val_CIDEr": res.best_metric, "xe_seconds": time.perf_counter() - t0,
+                                 "xe_resumed_from_epoch": res.resumed_from_epoch,
+                                 **{k: v for k, v in info.items() if k.startswith("init_") and isinstance(v, int)}})
+        final_ckpt = res.best_checkpoint or res.last_checkpoint
+        if scst:
+            with rc.tracker.run("scst", run, {"capflow.student": name}) as srun:
+                ss = scst_settings(cfg.students.scst, cfg)
+                rc.tracker.params(srun, {"scst": cfg.students.scst.model_dump(mode="json"), "settings": vars(ss)})
+                t1 = time.perf_counter()
+                model, sres = fit_scst(ctx, final_ckpt, out / "scst", settings=ss, on_epoch=_epoch_logger(rc, srun))
+                # best_epoch -1: no SCST epoch beat the XE weights on validation, and they are what goes on
+                rc.tracker.metrics(srun, {"best_val_CIDEr": sres.best_metric, "best_epoch": sres.best_epoch,
+                                          "seconds": time.perf_counter() - t1,
+                                          "resumed_from_epoch": sres.resumed_from_epoch})
+            final_ckpt = sres.best_checkpoint or sres.last_checkpoint
+        with rc.tracker.run("evaluate", run, {"capflow.student": name}) as erun:
+            ev = evaluate(ctx, model, arch_name=name)
+            preds = ev.pop("predictions")
+            test = {k: v for k, v in ev["metrics"].items() if v is not None}
+            summary = {"params": ev["params"], "latency_ms": ev["latency_ms"], "novel_fraction": ev["novel_fraction"],
+                       "avg_length": ev["avg_length"], "unique_fraction": ev["unique_fraction"]}
+            rc.tracker.metrics(erun, {**test, **summary})
+            rc.tracker.json_artifact(erun, "predictions.json", preds)
+            rc.tracker.json_artifact(erun, "metrics.json", ev)
+        rc.tracker.metrics(run, {f"test_{k}": v for k, v in {**test, **summary}.items()})
+        # the model folder: checkpoint + vocabulary + what produced it (registered below)
+        st = checkpoint.load(final_ckpt)
+        model_dir = checkpoint.save_model_dir(
+            out / "model", model=model, arch=st["arch"], vocab=labels["vocab_path"],
+            features=cfg.features.model_dump(mode="json"), student=name, preset=pname,
+            max_words=cfg.dataset.max_words, beam=cfg.evaluation.beam, test_metrics=test,
+            vocab_digest=st["vocab_digest"], epoch=st["epoch"], step=st["step"],
+            weights_cache_dir=cfg.workdir / "cache" / "weights")  # the extraction's weights cache
+        rc.tracker.artifact(run, model_dir, "model")
+        test_set = data["digest"]
+        version = rc.tracker.register(run, "model", {"student": name, "preset": pname,
+                                                     "test_CIDEr": test.get("CIDEr"), "test_set": test_set})
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rc.done(stage, key, {"student": name, "preset": pname, "run_id": run, "metrics": ev["metrics"],
