@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,10 +36,20 @@ FEATURE_SCHEMA = "capflow-features/1"
 LABEL_SCHEMA = "capflow-labels/1"
 PENDING, OK, REJECTED = 0, 1, 2
 GROUND_TRUTH = 0
+CHECKSUMS = "checksum"  # the per-chunk checksum array of both stores
+CHECKSUM_ALGORITHM = "sha256/128"  # per array and chunk: the first 16 bytes of sha256(dtype, shape, values)
+DIGEST_BYTES = 16
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(ValueError):
     """A store is missing, has the wrong schema, or a write breaks the store's contract."""
+
+
+class CorruptDataError(StoreError):
+    """A stored file (a store's chunk, a checkpoint, a stage record) is damaged: the message names the file and
+    says how to repair it."""
 
 
 def storage_options_for(uri: str) -> dict[str, Any] | None:
@@ -65,6 +78,255 @@ def _compressors(name: str, itemsize: int):
     return [BloscCodec(cname=name, clevel=5, shuffle="shuffle", typesize=itemsize)]
 
 
+# ---------------------------------------------------------------------- chunk checksums
+def values_digest(values: Any) -> np.ndarray:
+    """16-byte digest (uint8) of an array's values as stored: dtype, shape and bytes; strings as UTF-8."""
+    a = np.asarray(values)
+    h = hashlib.sha256()
+    if a.dtype.kind in "OUST":  # reject reasons: str / StringDType / object arrays of str
+        h.update(f"str{a.shape};".encode())
+        for text in a.ravel().tolist():
+            enc = str(text).encode("utf-8", "surrogatepass")
+            h.update(len(enc).to_bytes(8, "little"))
+            h.update(enc)
+    else:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape};".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return np.frombuffer(h.digest()[:DIGEST_BYTES], np.uint8)
+
+
+@dataclass
+class ChunkFault:
+    """A chunk whose files cannot be read or whose values differ from the checksum recorded when it was written."""
+
+    chunk: int
+    rows: tuple[int, int]
+    arrays: list[str]
+    files: list[str]
+    problem: str
+
+    def __str__(self) -> str:
+        return f"chunk {self.chunk} (rows {self.rows[0]}..{self.rows[1] - 1}): {self.problem}: {', '.join(self.files)}"
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`FeatureStore.verify` / :meth:`LabelStore.verify` found (and, with ``repair``, did)."""
+
+    uri: str
+    kind: str  # "features" | "labels"
+    chunks: int  # chunks in the store
+    checked: int  # chunks whose values were compared with their checksums
+    faults: list[ChunkFault] = field(default_factory=list)
+    unverified: list[int] = field(default_factory=list)  # finished chunks without a recorded checksum
+    recorded: list[int] = field(default_factory=list)  # checksums recorded now (from values that could not be checked)
+    repaired: list[int] = field(default_factory=list)  # damaged chunks marked pending (features: re-extracted next)
+    pending: int = 0  # feature chunks not finished yet (nothing to verify)
+    bytes: int = 0  # decoded bytes read and hashed
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "kind": self.kind, "chunks": self.chunks, "checked": self.checked,
+                "faults": [{"chunk": f.chunk, "rows": list(f.rows), "arrays": f.arrays, "files": f.files,
+                            "problem": f.problem}
+                           for f in self.faults],
+                "unverified": len(self.unverified), "recorded": len(self.recorded), "repaired": self.repaired,
+                "pending": self.pending, "bytes": self.bytes, "seconds": round(self.seconds, 3)}
+
+
+class _ChunkedStore:
+    """What both stores share: row chunks spanning every array, reads that name a damaged chunk file, and a
+    checksum per array and chunk (``checksum`` array, shape (chunks, arrays, 16) uint8, one Zarr chunk per row
+    chunk, so writers that own whole chunks also own their checksums; all zero = none recorded)."""
+
+    ARRAYS: tuple[str, ...] = ()
+    KIND = ""
+    uri: str
+    group: zarr.Group
+
+    # -------------------------------------------------------------- layout
+    def _array(self, name: str):
+        return self.group[name]
+
+    @property
+    def _n(self) -> int:
+        return self._array(self.ARRAYS[0]).shape[0]
+
+    @property
+    def _rows_per_chunk(self) -> int:
+        return self._array(self.ARRAYS[0]).chunks[0]
+
+    @property
+    def _chunks(self) -> int:
+        return -(-self._n // self._rows_per_chunk)
+
+    def _range(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self._rows_per_chunk
+        return start, min(start + self._rows_per_chunk, self._n)
+
+    def _sums(self):
+        return self.group.get(CHECKSUMS)
+
+    @property
+    def has_checksums(self) -> bool:
+        return self._sums() is not None
+
+    def chunk_file(self, name: str, chunk: int) -> str:
+        """Where the file of array ``name``'s row chunk ``chunk`` lives (path or URI)."""
+        arr = self._array(name)
+        key = arr.metadata.encode_chunk_key((chunk,) + (0,) * (arr.ndim - 1))
+        return f"{self.uri.rstrip('/')}/{arr.path}/{key}"
+
+    def repair_hint(self, name: str | None = None) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- reads that name damaged files
+    def _read(self, name: str, start: int | None = None, stop: int | None = None, width: int | None = None):
+        arr = self._array(name)
+        try:
+            return arr[start:stop] if width is None else arr[start:stop, :width]
+        except Exception as e:
+            err = self._unreadable(name, start, stop, e)
+            if err is None:
+                raise
+            raise err from e
+
+    def _unreadable(self, name: str, start: int | None, stop: int | None, error: Exception
+                    ) -> CorruptDataError | None:
+        """The error naming the chunk files of rows start..stop that cannot be read (None if each reads alone)."""
+        start = 0 if start is None else start
+        stop = self._n if stop is None else stop
+        c = self._rows_per_chunk
+        bad = []
+        for k in range(start // c, -(-stop // c)):
+            a, b = self._range(k)
+            try:
+                self._array(name)[a:b]
+            except Exception as e:
+                bad.append((k, e))
+        if not bad:
+            return None
+        files = "; ".join(f"{self.chunk_file(name, k)} (rows {self._range(k)[0]}..{self._range(k)[1] - 1}: "
+                          f"{type(e).__name__}: {e})" for k, e in bad)
+        return CorruptDataError(f"{self.KIND} store {self.uri}: cannot read {files}: the chunk file is damaged "
+                                f"(truncated or overwritten). {self.repair_hint(name)}")
+
+    # -------------------------------------------------------------- checksums
+    def _chunk_values(self, values: Mapping[str, Any], offset: int, chunk: int) -> dict[str, Any]:
+        a, b = self._range(chunk)
+        return {n: values[n][a - offset : b - offset] for n in self.ARRAYS}
+
+    def _digests(self, values: Mapping[str, Any]) -> np.ndarray:
+        return np.stack([values_digest(values[n]) for n in self.ARRAYS])
+
+    def _ensure_sums(self):
+        """The checksum array, created (all zero: nothing recorded) for a store written before checksums."""
+        sums = self._sums()
+        if sums is None:
+            sums = self.group.create_array(CHECKSUMS, shape=(self._chunks, len(self.ARRAYS), DIGEST_BYTES),
+                                           chunks=(1, len(self.ARRAYS), DIGEST_BYTES), dtype="uint8", fill_value=0)
+            self.group.attrs["checksums"] = {"algorithm": CHECKSUM_ALGORITHM, "arrays": list(self.ARRAYS)}
+        return sums
+
+    def _recorded_sums(self) -> tuple[np.ndarray | None, dict[int, Exception]]:
+        """Recorded checksums (None: the store has none) and the chunks whose checksum file cannot be read."""
+        sums = self._sums()
+        if sums is None:
+            return None, {}
+        try:
+            return sums[:], {}
+        except Exception:
+            out = np.zeros(sums.shape, np.uint8)
+            bad: dict[int, Exception] = {}
+            for k in range(sums.shape[0]):
+                try:
+                    out[k] = sums[k]
+                except Exception as e:
+                    bad[k] = e
+            return out, bad
+
+    def _compute(self, chunks: Sequence[int]) -> list[tuple[int, np.ndarray | None, dict[str, str], int]]:
+        """Digests of consecutive ``chunks`` from the stored values: (chunk, digests | None, {array: error},
+        bytes). One read per array for the whole run; a read that fails is retried chunk by chunk to name the
+        damaged files."""
+        start, stop = self._range(chunks[0])[0], self._range(chunks[-1])[1]
+        try:
+            values = {n: self._array(n)[start:stop] for n in self.ARRAYS}
+        except Exception:
+            values = None
+        if values is not None:
+            out = []
+            for k in chunks:
+                v = self._chunk_values(values, start, k)
+                out.append((k, self._digests(v), {}, sum(np.asarray(x).nbytes for x in v.values())))
+            return out
+        out = []
+        for k in chunks:
+            a, b = self._range(k)
+            v, errors = {}, {}
+            for n in self.ARRAYS:
+                try:
+                    v[n] = self._array(n)[a:b]
+                except Exception as e:
+                    errors[n] = f"{type(e).__name__}: {e}"
+            out.append((k, None if errors else self._digests(v), errors,
+                        sum(np.asarray(x).nbytes for x in v.values())))
+        return out
+
+    def _verify_chunks(self, todo: Sequence[int], report: VerifyReport, recorded: np.ndarray | None,
+                       threads: int | None) -> dict[int, np.ndarray]:
+        """Compare chunks ``todo`` with their recorded checksums (faults and unverified chunks go into
+        ``report``); returns the digests computed for the unverified ones."""
+        per_chunk = sum(int(np.prod(self._array(n).chunks)) * self._array(n).dtype.itemsize
+                        for n in self.ARRAYS if self._array(n).dtype.kind not in "OUST")
+        group = max(1, min(64, (32 << 20) // max(per_chunk, 1)))  # ~32 MB of decoded values per read
+        runs: list[list[int]] = []
+        for k in todo:
+            if runs and runs[-1][-1] == k - 1 and len(runs[-1]) < group:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        workers = threads or min(4, os.cpu_count() or 1)
+        fresh: dict[int, np.ndarray] = {}
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="capflow-verify") as pool:
+            for results in pool.map(self._compute, runs):
+                for k, dig, errors, nbytes in results:
+                    report.bytes += nbytes
+                    rows = self._range(k)
+                    if errors:
+                        files = [self.chunk_file(n, k) for n in errors]
+                        report.faults.append(ChunkFault(k, rows, list(errors), files, "cannot be read (" + "; ".join(
+                            f"{n}: {e}" for n, e in errors.items()) + ")"))
+                        continue
+                    assert dig is not None
+                    if recorded is None or not recorded[k].any():
+                        report.unverified.append(k)
+                        fresh[k] = dig
+                        continue
+                    report.checked += 1
+                    wrong = [n for i, n in enumerate(self.ARRAYS) if not np.array_equal(dig[i], recorded[k, i])]
+                    if wrong:
+                        report.faults.append(ChunkFault(k, rows, wrong, [self.chunk_file(n, k) for n in wrong],
+                                                        "values differ from the checksum recorded when the chunk "
+                                                        "was written"))
+        return fresh
+
+    def _record(self, fresh: Mapping[int, np.ndarray], report: VerifyReport) -> None:
+        if not fresh:
+            return
+        sums = self._ensure_sums()
+        for k, dig in sorted(fresh.items()):
+            sums[k] = dig
+            report.recorded.append(k)
+        log.warning("%s store %s: %d chunks had no checksum (written before capflow recorded them); recorded them "
+                    "now from their current values, which could not be checked", self.KIND, self.uri, len(fresh))
+
+
 # ---------------------------------------------------------------------- feature store
 @dataclass
 class FeatureBlock:
@@ -79,10 +341,17 @@ class FeatureBlock:
     image_size: np.ndarray
 
 
-class FeatureStore:
-    """A chunked Zarr feature store. Create once with :meth:`create`, then write whole chunks."""
+class FeatureStore(_ChunkedStore):
+    """A chunked Zarr feature store. Create once with :meth:`create`, then write whole chunks.
+
+    Each chunk's checksums (per array, of the values as stored) are recorded by the writer that owns the chunk,
+    before its ``status``; :meth:`verify` compares stored values with them, :meth:`manifest`'s digest covers
+    them. Stores written before checksums open as they are ("unverified"); :meth:`verify` with ``record``
+    adds them.
+    """
 
     ARRAYS = ("features", "boxes", "num_boxes", "image_size", "image_id", "status", "reject_reason")
+    KIND = "feature"
 
     def __init__(self, uri: str, group: zarr.Group):
         self.uri = uri
@@ -94,6 +363,16 @@ class FeatureStore:
         if missing:
             raise StoreError(f"{uri}: feature store lacks arrays {missing}")
         self._a = {name: group[name] for name in self.ARRAYS}
+
+    def _array(self, name: str):
+        return self._a[name]
+
+    def repair_hint(self, name: str | None = None) -> str:
+        if name == "image_id":
+            return ("The store's image index cannot be re-extracted: start the store again with "
+                    "`capflow extract --no-resume` (or remove it; `capflow run` then extracts it anew).")
+        return (f"Run `capflow verify --repair {self.uri}` to mark the damaged chunks' rows for re-extraction, "
+                "then `capflow extract` (or `capflow run`) re-extracts them.")
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -123,6 +402,8 @@ class FeatureStore:
         g.create_array("image_id", shape=(n,), chunks=(c,), dtype="int64", fill_value=-1)
         g.create_array("status", shape=(n,), chunks=(c,), dtype="int8", fill_value=PENDING)
         g.create_array("reject_reason", shape=(n,), chunks=(c,), dtype=str, fill_value="")
+        g.create_array(CHECKSUMS, shape=(-(-n // c), len(cls.ARRAYS), DIGEST_BYTES),
+                       chunks=(1, len(cls.ARRAYS), DIGEST_BYTES), dtype="uint8", fill_value=0)
         if n:
             g["image_id"][:] = ids
         g.attrs.update({
@@ -130,6 +411,7 @@ class FeatureStore:
             "max_boxes": b,
             "feature_dim": d,
             "chunk_rows": c,
+            "checksums": {"algorithm": CHECKSUM_ALGORITHM, "arrays": list(cls.ARRAYS)},
             **(dict(attrs) if attrs else {}),
         })
         return cls(uri, g)
@@ -176,10 +458,10 @@ class FeatureStore:
         return start, min(start + self.chunk_rows, self.num_rows)
 
     def image_ids(self, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        return self._a["image_id"][start:stop]
+        return self._read("image_id", start, stop)
 
     def status(self, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        return self._a["status"][start:stop]
+        return self._read("status", start, stop)
 
     def row_of(self) -> dict[int, int]:
         return {int(i): r for r, i in enumerate(self.image_ids())}
@@ -197,9 +479,22 @@ class FeatureStore:
             raise StoreError(f"images already in the store: {dup[:10]}")
         n0 = self.num_rows
         n1 = n0 + len(new)
+        c = self.chunk_rows
+        sums = self._sums()
+        last = n0 // c if n0 % c else None  # a partial last chunk gains pending rows: check it, then forget its sum
+        if last is not None and sums is not None and not np.any(self.status(*self.chunk_range(last)) == PENDING):
+            check = VerifyReport(self.uri, "features", self.num_chunks, 0)
+            self._verify_chunks([last], check, self._recorded_sums()[0], threads=1)
+            if check.faults:
+                log.warning("feature store %s: %s; its rows are extracted again", self.uri, check.faults[0])
+                self._a["status"][slice(*self.chunk_range(last))] = PENDING
         for name, arr in self._a.items():
             arr.resize((n1, *arr.shape[1:]))
             self._a[name] = self.group[name]
+        if sums is not None:
+            sums.resize((-(-n1 // c), *sums.shape[1:]))
+            if last is not None:
+                self.group[CHECKSUMS][last] = 0
         self._a["image_id"][n0:n1] = new
         return range(n0, n1)
 
@@ -235,47 +530,56 @@ class FeatureStore:
         if np.any(st == PENDING):
             raise StoreError("write_rows needs a final status (ok or rejected) for every row")
         a = self._a
-        a["features"][start:stop] = features.astype(a["features"].dtype, copy=False)
-        a["boxes"][start:stop] = boxes.astype(np.float32, copy=False)
-        a["num_boxes"][start:stop] = nb.astype(np.int16)
-        a["image_size"][start:stop] = np.asarray(image_size, dtype=np.int32)
-        reasons = list(reject_reason) if reject_reason is not None else [""] * n
-        a["reject_reason"][start:stop] = np.array(reasons, dtype=object)
+        values = {
+            "features": features.astype(a["features"].dtype, copy=False),
+            "boxes": boxes.astype(np.float32, copy=False),
+            "num_boxes": nb.astype(np.int16),
+            "image_size": np.asarray(image_size, dtype=np.int32),
+            "reject_reason": np.array(list(reject_reason) if reject_reason is not None else [""] * n, dtype=object),
+            "status": st,
+        }
+        for name in ("features", "boxes", "num_boxes", "image_size", "reject_reason"):
+            a[name][start:stop] = values[name]
+        sums = self._sums()
+        if sums is not None and n:  # checksums of the values as written, before the status that finishes them
+            values["image_id"] = self.image_ids(start, stop)
+            first = start // c
+            sums[first : first + -(-n // c)] = np.stack(
+                [self._digests(self._chunk_values(values, start, k)) for k in range(first, first + -(-n // c))])
         a["status"][start:stop] = st  # last: marks the rows done
 
     # ------------------------------------------------------------------ read
     def read_block(self, start: int, stop: int) -> FeatureBlock:
-        a = self._a
         return FeatureBlock(
             start=start,
-            features=a["features"][start:stop],
-            boxes=a["boxes"][start:stop],
-            num_boxes=a["num_boxes"][start:stop].astype(np.int64),
-            image_id=a["image_id"][start:stop],
-            status=a["status"][start:stop],
-            image_size=a["image_size"][start:stop],
+            features=self._read("features", start, stop),
+            boxes=self._read("boxes", start, stop),
+            num_boxes=self._read("num_boxes", start, stop).astype(np.int64),
+            image_id=self._read("image_id", start, stop),
+            status=self._read("status", start, stop),
+            image_size=self._read("image_size", start, stop),
         )
 
     def read_features(self, start: int, stop: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """features (n, width, D) and boxes (n, width, 4) of rows start..stop, boxes past ``width`` not copied."""
         w = self.max_boxes if width is None else width
-        return self._a["features"][start:stop, :w], self._a["boxes"][start:stop, :w]
+        return self._read("features", start, stop, w), self._read("boxes", start, stop, w)
 
     def num_boxes(self) -> np.ndarray:
-        return self._a["num_boxes"][:].astype(np.int64)
+        return self._read("num_boxes").astype(np.int64)
 
     def rejects(self) -> list[dict[str, Any]]:
         st = self.status()
         rows = np.flatnonzero(st == REJECTED)
         if not len(rows):
             return []
-        reasons = self._a["reject_reason"][:]
+        reasons = self._read("reject_reason")
         ids = self.image_ids()
         return [{"row": int(r), "image_id": int(ids[r]), "reason": str(reasons[r])} for r in rows]
 
     def summary(self) -> dict[str, Any]:
         st = self.status()
-        nb = self._a["num_boxes"][:][st == OK]
+        nb = self._read("num_boxes")[st == OK]
         return {
             "store": self.uri,
             "images": self.num_rows,
@@ -290,11 +594,25 @@ class FeatureStore:
         }
 
     def manifest(self) -> dict[str, Any]:
-        """Small description for lineage: schema, shape, attributes and a digest of the row index + status."""
+        """Small description for lineage: schema, shape, attributes and a digest of the row index, the status and
+        every chunk's checksums, i.e. of the values (cheap: no feature is read). ``unverified_chunks`` counts
+        finished chunks without a checksum (a store written before checksums: ``capflow verify --repair``)."""
         h = hashlib.sha256()
-        h.update(self.image_ids().tobytes())
-        h.update(self.status().tobytes())
+        ids, st = self.image_ids(), self.status()
+        h.update(ids.tobytes())
+        h.update(st.tobytes())
         h.update(json.dumps(self.attrs, sort_keys=True, default=str).encode())
+        sums, bad = self._recorded_sums()
+        if bad:
+            raise CorruptDataError(f"feature store {self.uri}: cannot read the checksums of chunks {sorted(bad)} "
+                                   f"({self.chunk_file(CHECKSUMS, min(bad))}, ...). {self.repair_hint()}")
+        finished = self.finished_chunks(st)
+        if sums is not None:
+            h.update(CHECKSUM_ALGORITHM.encode())
+            h.update(sums.tobytes())
+            unverified = sum(1 for k in finished if not sums[k].any())
+        else:
+            unverified = len(finished)
         return {
             "uri": self.uri,
             "rows": self.num_rows,
@@ -302,8 +620,71 @@ class FeatureStore:
             "feature_dim": self.feature_dim,
             "chunk_rows": self.chunk_rows,
             "attrs": self.attrs,
+            "checksums": CHECKSUM_ALGORITHM if sums is not None else None,
+            "unverified_chunks": unverified,
             "digest": h.hexdigest(),
         }
+
+    # ------------------------------------------------------------------ verification
+    def finished_chunks(self, status: np.ndarray | None = None) -> list[int]:
+        """Chunks whose every row is written (ok or rejected)."""
+        st = self.status() if status is None else status
+        return [c for c in range(self.num_chunks) if not np.any(st[slice(*self.chunk_range(c))] == PENDING)]
+
+    def verify(self, chunks: Iterable[int] | None = None, *, repair: bool = False, record: bool | None = None,
+               threads: int | None = None) -> VerifyReport:
+        """Compare the values of finished chunks (all, or ``chunks``) with the checksums recorded when they were
+        written. A chunk fails when a file cannot be read (truncated, not decodable) or its values differ (e.g.
+        another chunk's bytes). With ``repair``, failed chunks are marked pending (the next extraction redoes
+        them; the image index, which extraction cannot redo, is never "repaired"). With ``record`` (default:
+        ``repair``), finished chunks without a checksum get one from their current values. Not for use while
+        another process writes the store."""
+        t0 = time.perf_counter()
+        record = repair if record is None else record
+        report = VerifyReport(self.uri, "features", self.num_chunks, 0)
+        st = self._a["status"]
+        try:
+            status = st[:]
+        except Exception:  # chunk by chunk: a damaged status file fails only its chunk
+            status = np.full(self.num_rows, PENDING, np.int8)
+            for k in range(self.num_chunks):
+                a, b = self.chunk_range(k)
+                try:
+                    status[a:b] = st[a:b]
+                except Exception as e:
+                    report.faults.append(ChunkFault(k, (a, b), ["status"], [self.chunk_file("status", k)],
+                                                    f"cannot be read (status: {type(e).__name__}: {e})"))
+        bad_status = {f.chunk for f in report.faults}
+        sums, bad_sums = self._recorded_sums()
+        for k, e in bad_sums.items():
+            report.faults.append(ChunkFault(k, self.chunk_range(k), [CHECKSUMS], [self.chunk_file(CHECKSUMS, k)],
+                                            f"checksum record cannot be read ({type(e).__name__}: {e})"))
+        finished = [k for k in self.finished_chunks(status) if k not in bad_status and k not in bad_sums]
+        wanted = set(range(self.num_chunks)) if chunks is None else set(chunks)
+        todo = [k for k in finished if k in wanted]
+        report.pending = sum(1 for k in wanted if k not in finished and k not in bad_status and k not in bad_sums)
+        fresh = self._verify_chunks(todo, report, sums, threads) if todo else {}
+        report.faults.sort(key=lambda f: f.chunk)
+        if repair:
+            fixable = sorted({f.chunk for f in report.faults if "image_id" not in f.arrays})
+            self.mark_pending(fixable)
+            report.repaired = fixable
+        if record:
+            self._record(fresh, report)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def mark_pending(self, chunks: Sequence[int]) -> None:
+        """Mark every row of ``chunks`` pending (and forget their checksums): the next extraction redoes them."""
+        sums = self._sums()
+        for k in chunks:
+            self._a["status"][slice(*self.chunk_range(k))] = PENDING
+            if sums is not None:
+                sums[k] = 0
+        if chunks:
+            log.warning("feature store %s: chunks %s marked pending (re-extracted by the next `capflow extract` or "
+                        "`capflow run`)", self.uri, list(chunks))
+
 
 
 # ---------------------------------------------------------------------- label store
@@ -324,8 +705,12 @@ class Labels:
                       self.split[mask], self.source[mask], dict(self.sources))
 
 
-class LabelStore:
+class LabelStore(_ChunkedStore):
+    """Captions as word ids. Every chunk's checksums are recorded when it is written (:meth:`create`,
+    :meth:`add_source`; one writer at a time) and checked by :meth:`read`, so damaged labels never train."""
+
     ARRAYS = ("tokens", "length", "image_row", "image_id", "split", "source")
+    KIND = "label"
 
     def __init__(self, uri: str, group: zarr.Group):
         self.uri = uri
@@ -359,11 +744,19 @@ class LabelStore:
         }
         for name, (shape, chunks, dtype) in specs.items():
             g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0)
+        g.create_array(CHECKSUMS, shape=(-(-m // chunk), len(cls.ARRAYS), DIGEST_BYTES),
+                       chunks=(1, len(cls.ARRAYS), DIGEST_BYTES), dtype="uint8", fill_value=0)
         g.attrs.update({"schema": LABEL_SCHEMA, "max_words": seq, "sources": {str(GROUND_TRUTH): "ground_truth"},
+                        "checksums": {"algorithm": CHECKSUM_ALGORITHM, "arrays": list(cls.ARRAYS)},
                         **(dict(attrs) if attrs else {})})
         store = cls(uri, g)
         store._write(0, tokens, length, image_row, image_id, split, np.full(m, GROUND_TRUTH, np.int8))
         return store
+
+    def repair_hint(self, name: str | None = None) -> str:
+        return ("A label store is not repaired in place: rebuild it (`capflow vocab`), or run `capflow verify "
+                "--repair` on the pipeline's workdir, which removes it and the stage records that point at it so "
+                "that `capflow run` rebuilds it.")
 
     @classmethod
     def open(cls, uri: str, mode: str = "r") -> LabelStore:
@@ -374,6 +767,7 @@ class LabelStore:
         return dict(self.group.attrs)
 
     def _write(self, start, tokens, length, image_row, image_id, split, source) -> None:
+        """Write rows ``start..`` and record the checksums of every chunk they touch (read back as stored)."""
         stop = start + len(tokens)
         g = self.group
         g["tokens"][start:stop] = np.asarray(tokens, np.int32)
@@ -382,6 +776,15 @@ class LabelStore:
         g["image_id"][start:stop] = np.asarray(image_id, np.int64)
         g["split"][start:stop] = np.asarray(split, np.int8)
         g["source"][start:stop] = np.asarray(source, np.int8)
+        sums = self._sums()
+        if sums is not None and stop > start:
+            c = self._rows_per_chunk
+            for k, dig, errors, _ in self._compute(list(range(start // c, -(-stop // c)))):
+                if errors:
+                    files = ", ".join(self.chunk_file(n, k) for n in errors)
+                    raise CorruptDataError(f"label store {self.uri}: {files} cannot be read back after writing "
+                                           f"({'; '.join(errors.values())}). {self.repair_hint()}")
+                sums[k] = dig
 
     def add_source(self, name: str, tokens, length, image_row, image_id, split) -> int:
         """Append captions from a new source (e.g. SeqKD from teacher run X); returns its source code."""
@@ -395,26 +798,71 @@ class LabelStore:
         seq = self.group["tokens"].shape[1]
         if tokens.shape[1] != seq:
             raise StoreError(f"tokens have width {tokens.shape[1]}, store has {seq}")
+        sums = self._sums()
+        if sums is not None and m0 % self._rows_per_chunk:  # the partial last chunk is rewritten: check it first
+            self._raise_faults(self.verify([m0 // self._rows_per_chunk]))
         m1 = m0 + len(tokens)
         for a in self.ARRAYS:
             arr = self.group[a]
             arr.resize((m1, *arr.shape[1:]))
+        if sums is not None:
+            sums.resize((-(-m1 // self._rows_per_chunk), *sums.shape[1:]))
         self._write(m0, tokens, length, image_row, image_id, split, np.full(len(tokens), code, np.int8))
         sources[code] = name
         self.group.attrs["sources"] = {str(k): v for k, v in sources.items()}
         return code
 
-    def read(self) -> Labels:
-        g = self.group
+    def read(self, verify: bool = True) -> Labels:
+        """Every caption; with ``verify`` (default) each chunk is checked against its recorded checksums and a
+        damaged chunk raises :class:`CorruptDataError` naming its files (a store without checksums reads as is)."""
+        vals = {n: self._read(n) for n in self.ARRAYS}
+        sums, bad = self._recorded_sums() if verify else (None, {})
+        if bad:
+            raise CorruptDataError(f"label store {self.uri}: cannot read the checksums of chunks {sorted(bad)} "
+                                   f"({self.chunk_file(CHECKSUMS, min(bad))}, ...). {self.repair_hint()}")
+        if sums is not None:
+            faults = []
+            for k in range(self._chunks):
+                if not sums[k].any():
+                    continue
+                dig = self._digests(self._chunk_values(vals, 0, k))
+                wrong = [n for i, n in enumerate(self.ARRAYS) if not np.array_equal(dig[i], sums[k, i])]
+                if wrong:
+                    faults.append(ChunkFault(k, self._range(k), wrong, [self.chunk_file(n, k) for n in wrong],
+                                             "values differ from the checksum recorded when the chunk was written"))
+            self._raise_faults(VerifyReport(self.uri, "labels", self._chunks, self._chunks, faults))
         return Labels(
-            tokens=g["tokens"][:],
-            length=g["length"][:].astype(np.int64),
-            image_row=g["image_row"][:].astype(np.int64),
-            image_id=g["image_id"][:],
-            split=g["split"][:],
-            source=g["source"][:],
-            sources={int(k): v for k, v in g.attrs["sources"].items()},
+            tokens=vals["tokens"],
+            length=vals["length"].astype(np.int64),
+            image_row=vals["image_row"].astype(np.int64),
+            image_id=vals["image_id"],
+            split=vals["split"],
+            source=vals["source"],
+            sources={int(k): v for k, v in self.group.attrs["sources"].items()},
         )
+
+    def _raise_faults(self, report: VerifyReport) -> None:
+        if report.faults:
+            raise CorruptDataError(f"label store {self.uri} is damaged: " + "; ".join(map(str, report.faults)) +
+                                   f". {self.repair_hint()}")
+
+    def verify(self, chunks: Iterable[int] | None = None, *, record: bool = False,
+               threads: int | None = None) -> VerifyReport:
+        """Compare every chunk (or ``chunks``) with its recorded checksums; with ``record``, chunks without one
+        (a store written before checksums) get one from their current values."""
+        t0 = time.perf_counter()
+        report = VerifyReport(self.uri, "labels", self._chunks, 0)
+        sums, bad = self._recorded_sums()
+        for k, e in bad.items():
+            report.faults.append(ChunkFault(k, self._range(k), [CHECKSUMS], [self.chunk_file(CHECKSUMS, k)],
+                                            f"checksum record cannot be read ({type(e).__name__}: {e})"))
+        todo = [k for k in (range(self._chunks) if chunks is None else chunks) if k not in bad]
+        fresh = self._verify_chunks(todo, report, sums, threads) if todo else {}
+        report.faults.sort(key=lambda f: f.chunk)
+        if record:
+            self._record(fresh, report)
+        report.seconds = time.perf_counter() - t0
+        return report
 
     def digest(self) -> str:
         lab = self.read()

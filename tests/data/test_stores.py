@@ -143,3 +143,127 @@ def test_label_store_round_trip_and_sources(tmp_path):
         s.add_source("seqkd:teacher-run-1", np.array([[1, 0, 0]]), [1], [0], [9], [0])
     with pytest.raises(StoreError, match="width"):
         s.add_source("other", np.array([[1, 0]]), [1], [0], [9], [0])
+
+
+# ---------------------------------------------------------------------- checksums and damaged files (issue 18)
+def _written(tmp_path, n=12, chunk=4, name="f.zarr", seed=0):
+    s = FeatureStore.create(str(tmp_path / name), np.arange(100, 100 + n), max_boxes=6, feature_dim=16,
+                            chunk_rows=chunk)
+    f, bx, nb = _rows(n, seed=seed)
+    st = np.full(n, OK, np.int8)
+    st[1] = REJECTED
+    reasons = ["" if i != 1 else "too small" for i in range(n)]
+    for c in range(s.num_chunks):
+        a, b = s.chunk_range(c)
+        s.write_rows(a, features=f[a:b], boxes=bx[a:b], num_boxes=nb[a:b], image_size=np.full((b - a, 2), 64),
+                     status=st[a:b], reject_reason=reasons[a:b])
+    return s
+
+
+def _chunk(uri, array, k):
+    """The file of row chunk ``k`` of ``array`` (Zarr v3 default keys: c/k, c/k/0, c/k/0/0)."""
+    from pathlib import Path
+
+    p = Path(uri) / array / "c" / str(k)
+    while p.is_dir():
+        p = p / "0"
+    return p
+
+
+def test_manifest_digest_covers_the_values(tmp_path):
+    a = _written(tmp_path, name="a.zarr", seed=0)
+    b = _written(tmp_path, name="b.zarr", seed=1)  # same ids, status, attributes; other features
+    assert a.manifest()["digest"] != b.manifest()["digest"]
+    assert a.manifest()["unverified_chunks"] == 0 and a.manifest()["checksums"]
+    assert a.manifest()["digest"] == _written(tmp_path, name="c.zarr", seed=0).manifest()["digest"]
+
+
+def test_another_chunks_bytes_are_detected_named_and_repaired(tmp_path):
+    s = _written(tmp_path)
+    digest = s.manifest()["digest"]
+    clean = s.verify()
+    assert clean.ok and clean.checked == 3 and clean.bytes > 0
+    good = _chunk(s.uri, "features", 1).read_bytes()
+    _chunk(s.uri, "features", 1).write_bytes(_chunk(s.uri, "features", 0).read_bytes())  # valid, wrong chunk
+    r = FeatureStore.open(s.uri).verify()
+    assert [f.chunk for f in r.faults] == [1] and r.faults[0].arrays == ["features"]
+    assert r.faults[0].files == [str(_chunk(s.uri, "features", 1))] and "differ" in r.faults[0].problem
+    assert FeatureStore.open(s.uri).pending_chunks() == []  # without repair nothing changes
+    fixed = FeatureStore.open(s.uri, mode="r+").verify(repair=True)
+    assert fixed.repaired == [1]
+    w = FeatureStore.open(s.uri, mode="r+")
+    assert w.pending_chunks() == [1] and w.manifest()["digest"] != digest
+    _chunk(s.uri, "features", 1).write_bytes(good)  # what re-extraction writes back: the same values
+    f, bx, nb = _rows(12)
+    w.write_rows(4, features=f[4:8], boxes=bx[4:8], num_boxes=nb[4:8], image_size=np.full((4, 2), 64),
+                 status=np.full(4, OK, np.int8))
+    assert w.verify().ok and w.manifest()["digest"] == digest
+
+
+def test_truncated_chunk_names_its_file_and_the_repair(tmp_path):
+    from captioning.data.loader import ZarrFeatures
+    from captioning.data.stores import CorruptDataError
+
+    s = _written(tmp_path)
+    path = _chunk(s.uri, "features", 2)
+    path.write_bytes(path.read_bytes()[:10])
+    with pytest.raises(CorruptDataError, match=rf"{path}.*capflow verify --repair {s.uri}"):
+        FeatureStore.open(s.uri).read_block(0, 12)
+    with pytest.raises(CorruptDataError, match=str(path)):  # the training loader's reads
+        ZarrFeatures(s.uri).read(np.arange(8, 12))
+    ZarrFeatures(s.uri).read(np.arange(0, 8))  # other chunks read as before
+    r = FeatureStore.open(s.uri).verify()
+    assert [f.chunk for f in r.faults] == [2] and "cannot be read" in r.faults[0].problem
+    nb = _chunk(s.uri, "num_boxes", 0)
+    nb.write_bytes(nb.read_bytes()[:3])
+    with pytest.raises(CorruptDataError, match=str(nb)):
+        FeatureStore.open(s.uri).num_boxes()
+
+
+def test_store_without_checksums_is_unverified_until_repaired(tmp_path):
+    s = _written(tmp_path)
+    g = zarr.open_group(s.uri, mode="r+")
+    del g["checksum"]  # as a store written before capflow recorded checksums
+    del g.attrs["checksums"]
+    old = FeatureStore.open(s.uri)
+    assert not old.has_checksums and old.read_block(0, 12).features.shape == (12, 6, 16)
+    assert old.manifest()["unverified_chunks"] == 3 and old.manifest()["checksums"] is None
+    r = old.verify()
+    assert r.ok and r.unverified == [0, 1, 2] and r.checked == 0 and not r.recorded
+    rec = FeatureStore.open(s.uri, mode="r+").verify(repair=True)
+    assert rec.recorded == [0, 1, 2] and rec.ok
+    again = FeatureStore.open(s.uri).verify()
+    assert again.checked == 3 and not again.unverified and again.ok
+
+
+def test_appending_to_a_partial_chunk_keeps_verification(tmp_path):
+    s = _written(tmp_path, n=6)  # chunks [0..3], [4, 5]
+    s.append_images([500, 501, 502])
+    r = FeatureStore.open(s.uri).verify()
+    assert r.ok and r.checked == 1 and r.pending == 2  # chunk 1 gained pending rows, chunk 2 is new
+    f, bx, nb = _rows(5, seed=3)
+    s.write_rows(4, features=f[:4], boxes=bx[:4], num_boxes=nb[:4], image_size=np.zeros((4, 2)),
+                 status=np.full(4, OK, np.int8))
+    s.write_rows(8, features=f[4:], boxes=bx[4:], num_boxes=nb[4:], image_size=np.zeros((1, 2)),
+                 status=np.full(1, OK, np.int8))
+    r = FeatureStore.open(s.uri).verify()
+    assert r.ok and r.checked == 3
+
+
+def test_label_store_checksums_catch_swapped_chunks(tmp_path):
+    from captioning.data.stores import CorruptDataError
+
+    tokens = np.arange(5 * 3, dtype=np.int32).reshape(5, 3)
+    uri = str(tmp_path / "labels.zarr")
+    s = LabelStore.create(uri, tokens, np.full(5, 3), np.arange(5), np.arange(5), np.zeros(5), chunk=2)
+    assert s.verify().ok and s.verify().checked == 3
+    s.add_source("seqkd:x", np.array([[1, 2, 3]]), [3], [4], [4], [0])  # the partial last chunk is rewritten
+    assert LabelStore.open(uri).verify().ok and len(LabelStore.open(uri).read().tokens) == 6
+    t0, t1 = _chunk(uri, "tokens", 0), _chunk(uri, "tokens", 1)
+    t1.write_bytes(t0.read_bytes())
+    with pytest.raises(CorruptDataError, match=rf"chunk 1 .*{t1}.*capflow verify --repair"):
+        LabelStore.open(uri).read()
+    with pytest.raises(CorruptDataError):
+        LabelStore.open(uri).digest()
+    r = LabelStore.open(uri).verify()
+    assert [f.chunk for f in r.faults] == [1] and r.faults[0].files == [str(t1)]
