@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -355,18 +356,29 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if path and Path(path).is_dir():
             raise CLIError(f"{flag} {path} is a folder, not a JSON file: give the file itself")
     try:
-        res = evaluate_files(args.results, args.references, spice_jars=args.spice_jars)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = evaluate_files(args.results, args.references, spice_jars=args.spice_jars,
+                                 duplicates=args.duplicates)
     except (EvaluationInputError, FileNotFoundError) as e:
         raise CLIError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise CLIError(f"cannot read --results {args.results} / --references {args.references}: "
                        f"{type(e).__name__}: {e}") from None
+    for w in caught:  # e.g. --duplicates first: which captions were dropped
+        print(f"capflow evaluate: warning: {w.message}", file=sys.stderr)
+    unscored = res.get("unscored_references") or 0
+    if unscored:  # on stderr in both modes: scores of a few images are not the scores of the reference set
+        total = res["images"] + unscored
+        print(f"capflow evaluate: warning: the results caption {res['images']} of the {total} reference images "
+              f"({res['images'] / total:.1%}); the scores cover those only ({unscored} reference images have no "
+              "result)", file=sys.stderr)
     if args.json:
         _print_json(res)
     else:
         for k, v in res["metrics"].items():
             print(f"{k:8s} {v:.4f}" if v is not None else f"{k:8s} n/a ({res.get('spice', '')})")
-        print(f"images: {res['images']}")
+        print(f"images: {res['images']}" + (f" of {res['images'] + unscored} reference images" if unscored else ""))
     return 0
 
 
@@ -569,6 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--results", required=True, help="COCO results JSON")
     ev.add_argument("--references", required=True, help="COCO-format references JSON (annotations)")
     ev.add_argument("--spice-jars", help="folder with stanford-corenlp-3.6.0(-models).jar; else SPICE is null")
+    ev.add_argument("--duplicates", choices=["error", "first"], default="error",
+                    help="an image id with several captions in --results: error (default) or keep the first")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=cmd_evaluate)
 

@@ -26,8 +26,9 @@ DEPLOYMENT = "nightly"
 def _require_api() -> str:
     url = os.environ.get("PREFECT_API_URL")
     if not url:
-        raise StackError("PREFECT_API_URL is not set: start a server ('capflow stack up' then "
-                           "eval \"$(capflow stack env)\") or point it at your Prefect server")
+        raise StackError("PREFECT_API_URL is not set: start a server ('capflow stack up --home DIR' then "
+                           "eval \"$(capflow stack env --home DIR)\"; DIR defaults to $CAPFLOW_STACK_HOME or "
+                           "./.capflow/stack) or point it at your Prefect server")
     return url
 
 

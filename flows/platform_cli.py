@@ -23,6 +23,13 @@ def _stack(args: argparse.Namespace) -> Stack:
     return st
 
 
+def _home_arg(st: Stack) -> str:
+    """`` --home PATH`` for a command hint: the printed command works from any folder and shell."""
+    import shlex
+
+    return f" --home {shlex.quote(str(st.home))}"
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     st = _stack(args)
     if args.action == "up":
@@ -36,7 +43,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
             print(f"  S3 endpoint  {st.s3_endpoint}   (bucket {st.bucket}; moto server, snapshot kept at down)")
             if not args.no_worker:
                 print(f"  worker       process work pool '{WORK_POOL}'")
-            print('point this shell at it:  eval "$(capflow stack env)"')
+            print(f'point this shell at it:  eval "$(capflow stack env{_home_arg(st)})"')
         return 0
     if args.action == "down":
         res = st.down()
@@ -60,7 +67,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         return 0 if res["running"] else 1
     if args.action == "env":
         if not st.state_file.exists() or not st.key_id:
-            raise StackError(f"no stack in {st.home}: run 'capflow stack up' first")
+            raise StackError(f"no stack in {st.home}: run 'capflow stack up{_home_arg(st)}' first")
         print(env_lines(st))
         return 0
     raise AssertionError(args.action)

@@ -179,8 +179,8 @@ def load_results(path: str | Path, references: Mapping[int, Sequence[str]] | Non
         uniq = list(dict.fromkeys(dups))
         msg = f"{where}: duplicate image_id {_name_ids(uniq)}"
         if duplicates == "error":
-            raise EvaluationInputError(msg + " (one caption per image; load with duplicates='first' to keep "
-                                             "the first)")
+            raise EvaluationInputError(msg + " (one caption per image: fix the file, or keep the first caption "
+                                             "of each with `capflow evaluate --duplicates first`)")
         warnings.warn(msg + f"; kept the first caption of each ({len(dups)} later ones dropped)", stacklevel=2)
     if references is not None:
         _check_ids(out, references, where)
@@ -604,14 +604,14 @@ def _close_meteor(meteor) -> None:
 
 
 def evaluate_files(results_path: str | Path, references_path: str | Path,
-                   spice_jars: str | Path | None = None) -> dict:
+                   spice_jars: str | Path | None = None, duplicates: str = "error") -> dict:
     """``capflow evaluate``: score a COCO results file against a COCO references file.
 
     Returns the JSON-ready dict the CLI prints: :func:`score`'s output (without per-image scores) plus the two
-    file paths. Non-finite numbers are ``None``.
+    file paths. Non-finite numbers are ``None``. ``duplicates``: see :func:`load_results`.
     """
     refs = load_references(references_path)
-    results = load_results(results_path, refs)
+    results = load_results(results_path, refs, duplicates=duplicates)
     out = score(results, refs, spice_jars=spice_jars)
     out["metrics"] = {k: (None if v is None else _finite(v)) for k, v in out["metrics"].items()}
     return {"results": str(results_path), "references": str(references_path), **out}
