@@ -16,6 +16,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from captioning.data.stores import CorruptDataError
+
 #: the library code each stage's output depends on (a change there invalidates the stage and what follows)
 STAGE_CODE: dict[str, tuple[str, ...]] = {
     "ingest": ("captioning/data",),
@@ -40,6 +42,26 @@ def code_version(*paths: str) -> str:
     return h.hexdigest()[:16]
 
 
+class StageRecordError(CorruptDataError):
+    """A stage record under ``<workdir>/stages/`` cannot be read (truncated, overwritten)."""
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    """A stage record ``{"stage", "key", "result"}``; a damaged one raises :class:`StageRecordError` naming the
+    file and the repair."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+        if not (isinstance(doc, dict) and isinstance(doc.get("key"), str) and isinstance(doc.get("result"), dict)):
+            raise ValueError("not a stage record: expected an object with 'key' and 'result'")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise StageRecordError(
+            f"stage record {p} is damaged ({type(e).__name__}: {e}). Remove it - or run `capflow verify --repair "
+            f"{p.parent.parent}`, which removes every damaged record of that workdir - and run again: the stage "
+            "then runs again instead of being reused") from None
+    return doc
+
+
 def stage_key(stage: str, **parts: Any) -> str:
     code = code_version(*STAGE_CODE.get(stage, TRAINING_CODE))
     blob = json.dumps({"stage": stage, "code": code, **parts}, sort_keys=True, default=str)
@@ -57,8 +79,8 @@ class StageCache:
         p = self.path(stage, key)
         if not p.exists():
             return None
-        doc = json.loads(p.read_text(encoding="utf-8"))
-        return doc["result"] if doc.get("key") == key else None
+        doc = read_record(p)
+        return doc["result"] if doc["key"] == key else None
 
     def put(self, stage: str, key: str, result: dict[str, Any]) -> None:
         p = self.path(stage, key)

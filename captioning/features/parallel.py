@@ -360,6 +360,8 @@ class ExtractResult:
     extracted: int  # images extracted by this run
     skipped_chunks: int
     appended: int
+    reextracted: list[dict] = field(default_factory=list)  # finished chunks that failed verification, redone
+    verified: dict[str, Any] = field(default_factory=dict)  # what the resume check read: chunks, bytes, seconds
 
     @property
     def seconds_per_image(self) -> float:
@@ -376,6 +378,8 @@ class ExtractResult:
             "extracted": self.extracted,
             "skipped_chunks": self.skipped_chunks,
             "appended": self.appended,
+            "reextracted": self.reextracted,
+            "verified": self.verified,
             "seconds": self.seconds,
         }
 
@@ -443,6 +447,10 @@ def extract_features(
 
     t0 = time.perf_counter()
     store, appended = prepare_store(cfg, ds, uri)
+    # resume: finished chunks whose values fail their checksums (or cannot be read) are marked pending and redone
+    check = store.verify(repair=True)
+    for fault in check.faults:
+        log.warning("feature store %s: %s: extracting it again", store.uri, fault)
     todo = plan_chunks(store, ds)
     f = cfg.features
     # automatic settings are resolved here, where the store is named, not on each worker
@@ -501,4 +509,8 @@ def extract_features(
     summ = FeatureStore.open(store.uri).summary()
     return ExtractResult(store=store.uri, images=summ["images"], ok=summ["ok"], rejected=summ["rejected"],
                          boxes=summ["boxes"], seconds=time.perf_counter() - t0, extracted=extracted,
-                         skipped_chunks=skipped, appended=appended)
+                         skipped_chunks=skipped, appended=appended,
+                         reextracted=[{"chunk": f.chunk, "rows": list(f.rows), "files": f.files, "problem": f.problem}
+                                      for f in check.faults],
+                         verified={"chunks": check.checked, "unverified": len(check.unverified),
+                                   "bytes": check.bytes, "seconds": round(check.seconds, 3)})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from captioning.data.stores import CorruptDataError
 
 FORMAT = "capflow-checkpoint/1"
 
@@ -67,11 +70,42 @@ def save(path: str | Path, *, model: torch.nn.Module, arch: dict[str, Any], voca
     return path
 
 
+class CheckpointError(CorruptDataError):
+    """A checkpoint file is damaged (truncated, overwritten): the message names it and the repair."""
+
+
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    state = torch.load(Path(path), map_location=map_location, weights_only=True)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a capflow checkpoint (format {state.get('format')!r})")
+    """A checkpoint written by :func:`save`. A damaged file raises :class:`CheckpointError` naming it and the
+    repair; a file that is not a capflow checkpoint (other Python objects are never unpickled) ``ValueError``."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except pickle.UnpicklingError as e:
+        if "weights only" in str(e).lower():  # torch refused a global: a foreign (or hostile) pickle, not damage
+            raise ValueError(f"{path}: not a capflow checkpoint: it holds Python objects other than tensors and "
+                             "plain data, which capflow never unpickles") from None
+        raise CheckpointError(damaged_message(path, e)) from None
+    except Exception as e:  # a torn zip archive, EOF, a bad record: the many ways torch reports damage
+        raise CheckpointError(damaged_message(path, e)) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path}: not a capflow checkpoint (format {fmt!r})")
     return state
+
+
+def damaged_message(path: str | Path, error: BaseException | str) -> str:
+    """The message for a damaged checkpoint: the file, what failed, and how to get a sound one again."""
+    if isinstance(error, str):
+        what = error
+    else:  # torch's first sentence only (the rest is its generic advice)
+        text = (str(error).splitlines() or [""])[0].split(". ")[0][:200] or "the file ends early"
+        what = f"{type(error).__name__}: {text}"
+    return (f"checkpoint {path} is damaged and cannot be read ({what}). Delete it - or run `capflow verify "
+            "--repair` on the workdir, which removes damaged checkpoints and the stage records that point at them "
+            "- and run again: the stage that wrote it trains again (an epoch checkpoint: training restarts from "
+            "scratch); a model folder's model.pt comes back from the model registry or a new `capflow run`.")
 
 
 def _bundle_detector(out: Path, features: dict[str, Any], cache_dir: str | Path | None) -> dict[str, Any]:
