@@ -196,7 +196,25 @@ def cmd_extract(args: argparse.Namespace) -> int:
           f"{res.seconds_per_image:.3f} s per extracted image")
     for r in res.rejected:
         print(f"  rejected image_id={r['image_id']}: {r['reason']}")
+    for r in res.reextracted:
+        print(f"  re-extracted chunk {r['chunk']} (rows {r['rows'][0]}..{r['rows'][1] - 1}): {r['problem']}: "
+              f"{', '.join(r['files'])}")
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tasks.verify import default_paths, format_text, verify
+
+    cfg = _cfg(args)
+    if not args.paths and not cfg.workdir.is_dir():
+        raise CLIError(f"run.workdir {cfg.workdir} does not exist: nothing to verify (give paths or --set "
+                       "run.workdir=)")
+    res = verify(args.paths or default_paths(cfg), repair=args.repair, workdirs=[cfg.workdir])
+    if args.json:
+        _print_json(res.to_json())
+    else:
+        print(format_text(res))
+    return 1 if res.damaged else 0
 
 
 def _remove_store(uri: str) -> None:
@@ -539,6 +557,20 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", metavar="URI", help="store URI (default: <features.store>/<settings digest>.zarr)")
     x.add_argument("--json", action="store_true", help="print a JSON summary")
     x.set_defaults(func=cmd_extract)
+
+    ve = sub.add_parser("verify", help="check stores, stage records and checkpoints; --repair fixes what it can",
+                        description=("Check a workdir's feature and label stores (every chunk against the checksum "
+                                     "recorded when it was written), stage records and checkpoints. --repair marks "
+                                     "damaged feature chunks for re-extraction, removes damaged records, checkpoints "
+                                     "and label stores (and the records that name them), and records checksums for "
+                                     "stores written before capflow kept them; the next `capflow extract` / "
+                                     "`capflow run` redoes the rest. Exit status 1 when something damaged is left."))
+    _config_args(ve)
+    ve.add_argument("paths", nargs="*", metavar="PATH", help="stores, records, checkpoints or folders to check "
+                    "(default: run.workdir and the feature store folder)")
+    ve.add_argument("--repair", action="store_true", help="repair what is damaged (see above)")
+    ve.add_argument("--json", action="store_true", help="print one JSON object")
+    ve.set_defaults(func=cmd_verify)
 
     r = sub.add_parser("run", help="run the whole pipeline (Prefect flow, MLflow tracking)", description=(
         "Run the DAG ingest -> extract -> vocab -> teacher -> SeqKD -> students -> SCST -> evaluation -> "

@@ -14,6 +14,7 @@ from captioning.data.prepare import build_labels, ingest
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.data.text import build_vocabulary
 from tasks.common import RunContext, log
+from tasks.verify import features_intact
 
 RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
 
@@ -50,7 +51,7 @@ def extract_task(rc: RunContext, data: dict[str, Any]) -> dict[str, Any]:
     cfg = rc.cfg
     uri = store_uri(cfg)
     key, hit = rc.cached("extract", dataset=data["digest"], store=uri, source=cfg.features.source)
-    if hit is not None:
+    if hit is not None and features_intact(uri, hit["digest"]):  # values checked: a damaged chunk is redone
         return hit
     ds = Dataset.load(data["dataset_path"])
     with rc.tracker.run("extract", rc.parent_run) as run:

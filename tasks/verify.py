@@ -145,7 +145,7 @@ def _feature_store(uri: str, repair: bool, records: list[Path], res: VerifyResul
     rep = store.verify(repair=repair)
     res.bytes += rep.bytes
     res.store_seconds += rep.seconds
-    detail = f"{rep.checked} chunks checked ({rep.bytes / 1e9:.3f} GB in {rep.seconds:.2f} s)"
+    detail = f"{rep.checked} chunks checked ({rep.bytes / 1e6:.1f} MB in {rep.seconds:.2f} s)"
     if rep.pending:
         detail += f", {rep.pending} not extracted yet"
     if rep.faults:
@@ -322,9 +322,9 @@ def format_text(res: VerifyResult) -> str:
     counts: dict[str, int] = {}
     for f in res.findings:
         counts[f.state] = counts.get(f.state, 0) + 1
-    rate = f", {res.bytes / 1e9 / res.store_seconds:.2f} GB/s" if res.store_seconds > 0 and res.bytes else ""
+    rate = f" ({res.bytes / 1e6 / res.store_seconds:.0f} MB/s)" if res.store_seconds > 0 and res.bytes else ""
     lines.append(f"{len(res.findings)} checked: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) +
-                 f"; store values read {res.bytes / 1e9:.3f} GB in {res.store_seconds:.2f} s{rate}")
+                 f"; store values read {res.bytes / 1e6:.1f} MB in {res.store_seconds:.2f} s{rate}")
     return "\n".join(lines)
 
 
