@@ -162,3 +162,8 @@ def test_killed_run_resumes_student_from_its_checkpoint(tmp_path):
     run = next(c.get_run(r["model_version"] and c.get_model_version("capflow-captioner", r["model_version"]).run_id)
                for r in res["leaderboard"] if r["student"] == "zodiac")
     assert run.data.metrics["xe_resumed_from_epoch"] == done_epoch + 1
+    # the killed run's MLflow runs were left RUNNING by SIGKILL; the next run ended them KILLED (issue 18, finding 4)
+    runs = c.search_runs([res["experiment_id"]], max_results=500)
+    assert not [r.data.tags["mlflow.runName"] for r in runs if r.info.status == "RUNNING"]
+    killed = {r.data.tags["mlflow.runName"] for r in runs if r.info.status == "KILLED"}
+    assert {"pipeline", STUDENTS["zodiac"]} <= killed
