@@ -68,6 +68,7 @@ def git_commit() -> str:
 def pipeline(preset: str = "demo", config_path: str | None = None, overrides: list[str] | None = None,
              students: list[str] | None = None, scst: bool = True) -> dict[str, Any]:
     """Run the whole capflow DAG (see the module docstring). Returns the run's summary."""
+    quiet_database_locked()  # also where a worker runs the flow (no capflow CLI)
     cfg = build_config(preset, config_path, overrides, students, scst)
     summary = run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
     from prefect.artifacts import create_markdown_artifact
@@ -141,6 +142,43 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
     return summary
 
 
+class SQLiteLockedFilter(logging.Filter):
+    """Turns an ERROR with a traceback about Prefect's SQLite database being busy ("database is locked": Prefect
+    retries these itself) into a one-line WARNING, so that a busy local database does not print tracebacks on the
+    user's terminal; every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        chain, seen = [], set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            chain.append(str(exc))
+            exc = exc.__cause__ or exc.__context__
+        if "database is locked" not in " ".join([record.getMessage(), *chain]):
+            return True
+        record.msg, record.args = "Prefect's database was busy (database is locked); the call is retried", ()
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_database_locked(filter_: logging.Filter | None = None) -> None:
+    """Install :class:`SQLiteLockedFilter` on every handler of the root logger and of Prefect's loggers (filters
+    on handlers see the records of every child logger). Idempotent; call after Prefect configured logging."""
+    f = filter_ or _LOCKED_FILTER
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+                                      if n.split(".")[0] in ("prefect", "uvicorn", "docket"))]
+    for lg in loggers:
+        for h in getattr(lg, "handlers", []):
+            if f not in h.filters:
+                h.addFilter(f)
+
+
+_LOCKED_FILTER = SQLiteLockedFilter()
+
+
 class PrefectUnavailable(RuntimeError):
     """Prefect's temporary API server did not start."""
 
@@ -156,6 +194,7 @@ def start_prefect_api() -> str | None:
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
     )
 
+    quiet_database_locked()
     api = PREFECT_API_URL.value()
     if api or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return api or None

@@ -272,3 +272,28 @@ def test_prefect_server_that_does_not_start_in_time_names_the_cause_and_the_way_
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180" in err and "capflow stack up --home" in err
     assert "Traceback" not in err and "RuntimeError" not in err
     assert not (work / "stages").exists()
+
+
+def test_prefect_database_locked_errors_reach_the_terminal_as_one_warning_line(capfd):
+    import logging
+    import sqlite3
+
+    import prefect  # noqa: F401 - configures Prefect's logging (its console handler)
+    import sqlalchemy.exc
+
+    from flows.pipeline import quiet_database_locked
+
+    quiet_database_locked()
+    log = logging.getLogger("prefect.events.clients")
+    locked = sqlalchemy.exc.OperationalError("UPDATE flow_run", {}, sqlite3.OperationalError("database is locked"))
+    try:
+        raise RuntimeError("request failed") from locked
+    except RuntimeError:
+        log.error("Service failed to process item", exc_info=True)
+    try:
+        raise ValueError("something else broke")
+    except ValueError:
+        log.error("another failure", exc_info=True)
+    err = capfd.readouterr().err
+    assert "database was busy (database is locked)" in err and "Service failed" not in err
+    assert err.count("Traceback") == 1 and "something else broke" in err  # other errors keep their traceback
