@@ -121,6 +121,10 @@ class ExtractorConfig(Section):
         "and one batched ROI head (features near the right/bottom edge change slightly); auto: padded on CUDA, "
         "exact on CPU",
     )
+    selection_on_device: bool | None = Field(
+        None, description="Run the box-selection scan on the extraction device (unset: on CUDA, not on CPU); "
+        "the same boxes either way"
+    )
     loader_threads: int | None = Field(
         None, ge=0, description="Threads decoding/resizing the next images while the model runs; unset = 4 on "
         "CUDA, 0 (inline) on CPU. Never changes the numbers",

@@ -60,7 +60,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 from captioning.config import ExtractorConfig
-from captioning.features.selection import nms_max_conf_batched, overlap_masks, select_boxes
+from captioning.features.selection import (
+    nms_max_conf_batched,
+    nms_max_conf_batched_torch,
+    overlap_masks,
+    select_boxes,
+)
 from captioning.util import resolve_device, sha256_file
 
 log = logging.getLogger(__name__)
@@ -119,7 +124,8 @@ class _Detected:
     pooled: torch.Tensor  # (sum R, D) float32
     probs: torch.Tensor  # (sum R, K + 1) float32
     boxes: torch.Tensor  # (sum R, 4) float32, resized-image coordinates
-    over: torch.Tensor  # (B, R_max, R_max) bool, IoU > nms_threshold
+    over: torch.Tensor  # (B, R_max, R_max) bool, IoU > nms_threshold; or (B, R_max) best scores when scanned
+    scanned: bool = False  # the selection scan already ran on the device
     event: Any = None
     host: list[torch.Tensor] = field(default_factory=list)
 
@@ -288,6 +294,10 @@ class RegionExtractor:
         self.batching = cfg.batching
         self.loader_threads = cfg.loader_threads if cfg.loader_threads is not None else (
             4 if self.device.type == "cuda" else 0)
+        # CUDA: the box-selection scan runs on the device (measured cheaper than the host scan there, whose
+        # NumPy loop holds the GIL the device threads need); CPU: the NumPy scan
+        self.select_on_device = cfg.selection_on_device if cfg.selection_on_device is not None else (
+            self.device.type == "cuda")
         self.profile: dict[str, float] | None = None  # per-stage seconds, when a benchmark asks for them
         self._last_mark = 0.0
         self.warnings: list[str] = []
@@ -588,7 +598,16 @@ class RegionExtractor:
         over_pad = torch.zeros(len(batch), r, r, dtype=torch.bool, device=self.device)
         for j, o in enumerate(over):
             over_pad[j, : sizes[j], : sizes[j]] = o
-        host = _Detected(batch=batch, sizes=sizes, pooled=pooled, probs=probs, boxes=torch.cat(box_t), over=over_pad)
+        scanned = self.device.type == "cuda" and self.select_on_device
+        if scanned:  # the selection scan on the device: only (B, R) best scores travel to the host
+            k = probs.shape[1] - 1
+            s_pad = torch.full((len(batch), r, k), float("-inf"), dtype=torch.float32, device=self.device)
+            for j, part in enumerate(torch.split(probs, sizes)):
+                s_pad[j, : sizes[j]] = part[:, :-1]
+            over_pad = nms_max_conf_batched_torch(over_pad, s_pad)
+            self._mark("selection")
+        host = _Detected(batch=batch, sizes=sizes, pooled=pooled, probs=probs, boxes=torch.cat(box_t), over=over_pad,
+                         scanned=scanned)
         host.to_host(self.device)
         self._mark("to_host")
         return host
@@ -622,10 +641,13 @@ class RegionExtractor:
                     "class scores; the image cannot be used with these weights", j)))
             else:
                 good.append(j)
-        confs = nms_max_conf_batched(
-            [over[j, : det.sizes[j], : det.sizes[j]] for j in good],
-            [probs[offs[j] : offs[j + 1], :-1] for j in good],
-        )
+        if det.scanned:  # selected on the device already
+            confs = [over[j, : det.sizes[j]].astype(np.float32) for j in good]
+        else:
+            confs = nms_max_conf_batched(
+                [over[j, : det.sizes[j], : det.sizes[j]] for j in good],
+                [probs[offs[j] : offs[j + 1], :-1] for j in good],
+            )
         for j, max_conf in zip(good, confs, strict=True):
             p = det.batch[j]
             s = offs[j]

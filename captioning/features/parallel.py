@@ -58,6 +58,7 @@ def store_key(f: FeaturesConfig) -> str:
     ex.pop("device")  # where it runs does not name the store (recorded in its attributes instead)
     ex.pop("weights_sha256")
     ex.pop("loader_threads")  # overlap only, never the numbers
+    ex.pop("selection_on_device")  # where the (exact) selection scan runs
     # settings added later are named only when they change the numbers, so existing stores keep their names
     if ex["batching"] == "exact":
         ex.pop("batching")

@@ -123,3 +123,41 @@ def select_boxes(max_conf: np.ndarray, *, conf_threshold: float, min_boxes: int,
         above = int(np.count_nonzero(max_conf > conf_threshold))
         n = min(max(above, min_boxes), max_boxes)
     return order[: min(n, r)]
+
+
+def nms_max_conf_batched_torch(over: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """:func:`nms_max_conf_batched` on padded tensors, where they are (used on CUDA: the scan then costs kernel
+    launches on the device instead of host time, and only the scores travel to the host).
+
+    ``over`` (B, R, R) bool with False in padding rows/columns; ``scores`` (B, R, K) with ``-inf`` in padding rows.
+    Returns (B, R) float32 (padding rows: 0). The same boolean bookkeeping over the same stable order, so it is
+    exactly equal to the reference.
+    """
+    n, r, k = scores.shape
+    dev = scores.device
+    if n == 0 or r == 0 or k == 0:
+        return torch.zeros(n, r, dtype=torch.float32, device=dev)
+    words = (r + 63) // 64
+    bits = torch.zeros(n, r, words * 64, dtype=torch.int64, device=dev)
+    bits[:, :, :r] = over.to(torch.int64)
+    weights = torch.bitwise_left_shift(torch.ones(64, dtype=torch.int64, device=dev),
+                                       torch.arange(64, dtype=torch.int64, device=dev))
+    # distinct powers of two: their (wrapping) int64 sum is their bitwise OR
+    rows = (bits.view(n, r, words, 64) * weights).sum(-1).view(n * r, words)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices  # (B, R, K)
+    word_idx = (torch.arange(n * k, device=dev) * words).view(n, 1, k) + torch.bitwise_right_shift(order, 6)
+    bit = torch.bitwise_left_shift(torch.ones((), dtype=torch.int64, device=dev), torch.bitwise_and(order, 63))
+    row_idx = order + (torch.arange(n, device=dev) * r).view(n, 1, 1)
+    word_idx = word_idx.transpose(0, 1).reshape(r, n * k).contiguous()
+    bit = bit.transpose(0, 1).reshape(r, n * k).contiguous()
+    row_idx = row_idx.transpose(0, 1).reshape(r, n * k).contiguous()
+    supp = torch.zeros(n * k * words, dtype=torch.int64, device=dev)
+    supp2 = supp.view(n * k, words)
+    alive_by_rank = torch.empty(r, n * k, dtype=torch.bool, device=dev)
+    for i in range(r):
+        alive = torch.bitwise_and(supp.take(word_idx[i]), bit[i]) == 0
+        alive_by_rank[i] = alive
+        supp2.bitwise_or_(rows.index_select(0, row_idx[i]) * alive[:, None])
+    kept = torch.zeros(n, r, k, dtype=torch.bool, device=dev)
+    kept.scatter_(1, order, alive_by_rank.view(r, n, k).transpose(0, 1))
+    return torch.where(kept, scores, torch.zeros((), dtype=scores.dtype, device=dev)).amax(dim=2).clamp(min=0)

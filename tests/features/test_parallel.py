@@ -227,3 +227,35 @@ def test_killed_dask_worker_is_survived(planted, tmp_path):
     assert res.ok == ref.ok
     for a, b in zip(_arrays(ref.store), _arrays(res.store), strict=True):
         assert np.array_equal(a, b)
+
+
+def test_extract_resume_reextracts_damaged_chunks_naming_them(planted, tmp_path, capsys):
+    """Another chunk's valid bytes in one chunk file and a truncated file in another: ``capflow extract`` names
+    both and extracts them again (identical values) instead of reporting them done (issue 18, finding 3)."""
+    from flows.cli import main
+
+    _, ds = planted
+    args = []
+    for o in [*TINY, f"dataset.annotations={ds.source}", f"dataset.images={ds.images_root}",
+              "dataset.image_check=none", "dataset.max_reject_fraction=1.0", f"run.workdir={tmp_path}"]:
+        args += ["--set", o]
+    assert main(["extract", "--workers", "0", "--json", *args]) == 0
+    first = json.loads(capsys.readouterr().out)
+    uri = first["store"]
+    before = _arrays(uri)
+    n_chunks = FeatureStore.open(uri).num_chunks
+    chunk = Path(uri) / "features" / "c"
+    (chunk / "1" / "0" / "0").write_bytes((chunk / "0" / "0" / "0").read_bytes())
+    cut = chunk / "3" / "0" / "0"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    assert main(["extract", "--workers", "0", "--json", *args]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["chunk"] for r in res["reextracted"]] == [1, 3]
+    assert res["reextracted"][0]["files"] == [str(chunk / "1" / "0" / "0")]
+    assert res["reextracted"][1]["files"] == [str(cut)]
+    rows = FeatureStore.open(uri).chunk_range(1)[1] - FeatureStore.open(uri).chunk_range(1)[0]
+    assert res["extracted"] == 2 * rows and res["skipped_chunks"] == n_chunks - 2
+    assert res["verified"]["chunks"] == n_chunks - 1  # compared with their checksums: all but the unreadable one
+    for a, b in zip(before, _arrays(uri), strict=True):
+        assert np.array_equal(a, b)
+    assert FeatureStore.open(uri).verify().ok

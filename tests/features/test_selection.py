@@ -94,3 +94,32 @@ def test_batched_equals_reference_on_cuda(k: int) -> None:
         sizes = rng.integers(1, 300, size=8)
         cases = [_case(rng, int(r), k, ties=bool(trial % 2)) for r in sizes]
         _check_batch(cases, thr=0.3, device="cuda")
+
+
+def _padded(cases, thr: float, device: str):
+    boxes = [b.to(device) for b, _ in cases]
+    over = overlap_masks(boxes, thr)
+    sizes = [int(b.shape[0]) for b in boxes]
+    r, k = max(sizes), cases[0][1].shape[1]
+    o = torch.zeros(len(cases), r, r, dtype=torch.bool, device=device)
+    s = torch.full((len(cases), r, k), float("-inf"), device=device)
+    for j, (ov, (_, sc)) in enumerate(zip(over, cases, strict=True)):
+        o[j, : sizes[j], : sizes[j]] = ov
+        s[j, : sizes[j]] = sc.to(device)
+    return o, s, sizes
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("k", [80, 1600])
+def test_torch_scan_equals_reference(k: int, device: str) -> None:
+    from captioning.features.selection import nms_max_conf_batched_torch
+
+    rng = np.random.default_rng(7 + k)
+    for trial in range(2):
+        sizes = rng.integers(1, 100 if (k == 1600 and device == "cpu") else 300, size=8)
+        cases = [_case(rng, int(r), k, ties=bool(trial % 2)) for r in sizes]
+        o, s, sz = _padded(cases, 0.3, device)
+        got = nms_max_conf_batched_torch(o, s).cpu().numpy()
+        for j, (b, sc) in enumerate(cases):
+            ref = nms_max_conf_reference(b.to(device), sc.to(device), 0.3).cpu().numpy()
+            np.testing.assert_array_equal(got[j, : sz[j]], ref, err_msg=f"image {j}")
