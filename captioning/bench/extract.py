@@ -337,12 +337,12 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
             ex = c.features.extractor
             rows.append({"path": "capflow", "variant": name, "workers": 1, "batching": ex.batching,
                          "batch_size": ex.batch_size, "precision": ex.amp_dtype if ex.amp else "fp32",
-                         "selection_on_device": ex.selection_on_device is not False,
+                         "selection_on_device": bool(ex.selection_on_device),
                          "images": res.extracted, "ok": res.ok, "seconds": s,
                          "images_per_second": res.extracted / s})
             return res.extracted / s
 
-        variants = {"host-selection": {"selection_on_device": False},
+        variants = {"device-selection": {"selection_on_device": True},
                     "exact-fp32": {"batching": "exact", "amp": False},
                     "padded-bf16": {"batching": "padded", "amp": True, "amp_dtype": "bfloat16"},
                     "padded-fp16": {"batching": "padded", "amp": True, "amp_dtype": "float16"}}

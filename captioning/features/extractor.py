@@ -294,10 +294,9 @@ class RegionExtractor:
         self.batching = cfg.batching
         self.loader_threads = cfg.loader_threads if cfg.loader_threads is not None else (
             4 if self.device.type == "cuda" else 0)
-        # CUDA: the box-selection scan runs on the device (measured cheaper than the host scan there, whose
-        # NumPy loop holds the GIL the device threads need); CPU: the NumPy scan
-        self.select_on_device = cfg.selection_on_device if cfg.selection_on_device is not None else (
-            self.device.type == "cuda")
+        # Where the (exact) box-selection scan runs: the host's NumPy scan by default - measured on an H100 at
+        # the coco settings, 58 img/s end to end against 55 with the scan's ~2,000 small kernels on the device
+        self.select_on_device = bool(cfg.selection_on_device) and self.device.type == "cuda"
         self.profile: dict[str, float] | None = None  # per-stage seconds, when a benchmark asks for them
         self._last_mark = 0.0
         self.warnings: list[str] = []
