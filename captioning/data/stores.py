@@ -487,7 +487,7 @@ class FeatureStore(_ChunkedStore):
             self._verify_chunks([last], check, self._recorded_sums()[0], threads=1)
             if check.faults:
                 log.warning("feature store %s: %s; its rows are extracted again", self.uri, check.faults[0])
-                self._a["status"][slice(*self.chunk_range(last))] = PENDING
+                self.mark_pending([last])
         for name, arr in self._a.items():
             arr.resize((n1, *arr.shape[1:]))
             self._a[name] = self.group[name]
@@ -675,10 +675,15 @@ class FeatureStore(_ChunkedStore):
         return report
 
     def mark_pending(self, chunks: Sequence[int]) -> None:
-        """Mark every row of ``chunks`` pending (and forget their checksums): the next extraction redoes them."""
+        """Mark every row of ``chunks`` pending, reset their values to the fill values (a damaged file is replaced,
+        so nothing reads it again) and forget their checksums: the next extraction redoes them."""
         sums = self._sums()
         for k in chunks:
-            self._a["status"][slice(*self.chunk_range(k))] = PENDING
+            rows = slice(*self.chunk_range(k))
+            self._a["status"][rows] = PENDING  # first: the rows are no longer done
+            for name, fill in (("features", 0), ("boxes", 0), ("num_boxes", 0), ("image_size", -1)):
+                self._a[name][rows] = fill
+            self._a["reject_reason"][rows] = ""
             if sums is not None:
                 sums[k] = 0
         if chunks:
