@@ -271,21 +271,6 @@ def extract_chunks(
     return [results[c] for c, _ in chunks]
 
 
-def extract_chunk(
-    uri: str,
-    chunk: int,
-    items: Sequence[tuple[int, str]],
-    ex_json: str,
-    min_boxes: int,
-    max_boxes: int,
-    feature_dim: int,
-    threads: int | None = None,
-    cache_dir: str | None = None,
-) -> ChunkResult:
-    """Extract and write one whole chunk. Idempotent: a chunk already written is left alone."""
-    return extract_chunks(uri, [(chunk, items)], ex_json, min_boxes, max_boxes, feature_dim, threads, cache_dir)[0]
-
-
 # ---------------------------------------------------------------------- planning
 def prepare_store(cfg: PipelineConfig, ds: Dataset, uri: str | None = None, describe: dict | None = None
                   ) -> tuple[FeatureStore, int]:
