@@ -220,8 +220,8 @@ class MultiHeadAttention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         attn = torch.softmax(scores, dim=-1)
         attn = torch.nan_to_num(attn)  # rows with nothing to attend to (padding queries)
-        if self.zodiac:
-            out = self.z_drop(attn) @ v
+        if self.zodiac:  # RA = Dropout(softmax(...) V): the dropout acts on the attention output, then the gate
+            out = self.z_drop(attn @ v)
             q2 = self._split(query, self.q2, self.d_qk)
             inten = F.gelu(q2 @ v.transpose(-1, -2) / math.sqrt(self.d_qk))  # (B, h, Tq, Tk)
             if mask is not None:
