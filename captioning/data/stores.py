@@ -317,9 +317,11 @@ class _ChunkedStore:
         return fresh
 
     def _record(self, fresh: Mapping[int, np.ndarray], report: VerifyReport) -> None:
+        """Record ``fresh`` checksums; the checksum array is added to an older store even when nothing is
+        finished yet, so that chunks written from now on record theirs."""
+        sums = self._ensure_sums()
         if not fresh:
             return
-        sums = self._ensure_sums()
         for k, dig in sorted(fresh.items()):
             sums[k] = dig
             report.recorded.append(k)

@@ -267,3 +267,20 @@ def test_label_store_checksums_catch_swapped_chunks(tmp_path):
         LabelStore.open(uri).digest()
     r = LabelStore.open(uri).verify()
     assert [f.chunk for f in r.faults] == [1] and r.faults[0].files == [str(t1)]
+
+
+def test_resuming_an_older_store_records_checksums_from_then_on(tmp_path):
+    s = _store(tmp_path, n=12)
+    g = zarr.open_group(s.uri, mode="r+")
+    del g["checksum"]
+    del g.attrs["checksums"]
+    old = FeatureStore.open(s.uri, mode="r+")
+    f, bx, nb = _rows(12)
+    old.write_rows(0, features=f[:4], boxes=bx[:4], num_boxes=nb[:4], image_size=np.zeros((4, 2)),
+                   status=np.full(4, OK, np.int8))  # written without a checksum, as older capflow did
+    r = old.verify(repair=True)  # what `capflow extract` does on resume
+    assert r.recorded == [0] and r.pending == 2 and old.has_checksums
+    old.write_rows(4, features=f[4:8], boxes=bx[4:8], num_boxes=nb[4:8], image_size=np.zeros((4, 2)),
+                   status=np.full(4, OK, np.int8))
+    r = FeatureStore.open(s.uri).verify()
+    assert r.checked == 2 and not r.unverified and r.ok
