@@ -265,7 +265,8 @@ def test_vocab_without_train_split_fails(capsys, external: Path, tmp_path: Path)
     ann = external / "coco_eval" / "karpathy_test_dataset.json"
     rc, out, err = run(capsys, "vocab", "--json", *dataset_args(ann, None, tmp_path / "wd"))
     assert rc == 2 and out == ""
-    assert "no train captions" in err
+    # refused at ingest, before any stage: the dataset has no train images
+    assert "no usable images in the train" in err and "karpathy_test_dataset.json" in err
 
 
 # ---------------------------------------------------------------------- import-features
