@@ -10,6 +10,28 @@ Interface used by training and by every decoding algorithm (written once, in ``c
 Semi-autoregressive decoding (SATIC) with group size K: the target sequence y = [w_1..w_T, EOS] is produced
 K tokens per step. Decoder input position i holds y_{i-K} (the K start symbols are BOS), and the relaxed mask
 lets position i see inputs j < (floor(i/K)+1)*K. K = 1 is exactly the autoregressive captioner.
+
+Fidelity to the papers' released code. With the options below set as in :func:`registry.released` (preset names
+``<preset>@released``) the skeleton computes the released modules' arithmetic; the defaults keep capflow's
+choices (checkpoints trained before these options existed keep their meaning):
+
+- ``layer_norm``: ``torch`` (``nn.LayerNorm``: biased variance, eps 1e-5 inside the root) or ``annotated``
+  (``a * (x - mean) / (std_unbiased + 1e-6) + b``, the Annotated Transformer's, used by the released AIC, SATIC,
+  ZoDIAC and ORT/ACORT code; up to 5e-3 apart on a normalised activation at d=512).
+- ``ffn_activation``: ``relu`` or ``none`` (ZoDIAC's released model classes have no ReLU in the FFN).
+- ``zodiac_pool``: ``sample`` (mean intensity per sample, head and query) or ``released`` (one scalar over the
+  batch with the released denominator; decode without a cache).
+- ``attn_dropout``: dropout on the attention weights (None = ``dropout``); ExpansionNet's released
+  cross-attention has none.
+- ``expansion_eps`` (1e-4; released 1e-9) and ``expansion_dropout`` (``capflow`` | ``released``): see
+  :mod:`captioning.models.expansion`.
+- ``init="released"``: ``xavier`` plus the released code's details: ExpansionNet's region projection and
+  expansion slots Glorot-uniform, LW-Transformer's attention biases 0, ORT's per-head geometry biases equal
+  across heads.
+- Not options (documented in README.md): LW-Transformer's released skeleton is M2-Transformer-shaped (post-LN,
+  LN on the region input, no embedding scaling, output layer without bias, no final LN), which capflow does not
+  build - its group-wise attention and FFN equal the released modules; an image with no valid region gets zero
+  attention here, uniform attention in the references (their -1e9 fill).
 """
 
 from __future__ import annotations
@@ -23,7 +45,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioning.models import static_cache
-from captioning.models.layers import BoxGeometry, FeedForward, GeometryBias, MultiHeadAttention, sinusoid_table
+from captioning.models.layers import (
+    BoxGeometry,
+    FeedForward,
+    GeometryBias,
+    MultiHeadAttention,
+    layer_norm,
+    sinusoid_table,
+)
 
 PAD = 0
 
@@ -69,7 +98,15 @@ class ArchConfig:
     # word embedding and the generator, as the Annotated-Transformer-based released code of these papers does
     # (see :meth:`Captioner.init_weights`); "default" = PyTorch's per-module defaults (nn.Embedding N(0, 1), so
     # the input Emb(w)*sqrt(d) has per-channel std sqrt(d)), kept for comparison
+    # "released": xavier plus the released code's details (see the module docstring and Captioner.init_weights)
     init: str = "xavier"
+    # fidelity options (module docstring): defaults = capflow's behaviour, released values in registry.released
+    layer_norm: str = "torch"  # torch | annotated
+    ffn_activation: str = "relu"  # relu | none
+    zodiac_pool: str = "sample"  # sample | released
+    attn_dropout: float | None = None  # dropout on attention weights; None = dropout
+    expansion_eps: float = 1e-4
+    expansion_dropout: str = "capflow"  # capflow | released
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,25 +192,32 @@ class DecoderCache:
 def _mixer(kind: str, cfg: ArchConfig, *, decoder: bool) -> nn.Module:
     if kind in ("standard", "zodiac"):
         return MultiHeadAttention(
-            cfg.d_model, cfg.heads, dropout=cfg.dropout, share=cfg.share, groups=cfg.groups,
-            qk_expand=cfg.qk_expand, grouped_merge=cfg.grouped_merge, zodiac=kind == "zodiac",
-            zodiac_gate=cfg.zodiac_gate, zodiac_dropout=cfg.zodiac_dropout, zoneup=cfg.zoneup,
+            cfg.d_model, cfg.heads, dropout=cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout,
+            share=cfg.share, groups=cfg.groups, qk_expand=cfg.qk_expand, grouped_merge=cfg.grouped_merge,
+            zodiac=kind == "zodiac", zodiac_gate=cfg.zodiac_gate, zodiac_dropout=cfg.zodiac_dropout,
+            zoneup=cfg.zoneup, zodiac_pool=cfg.zodiac_pool,
         )
     if kind == "expansion":
         from captioning.models.expansion import DynamicExpansion, StaticExpansion
 
+        opts = {"dropout": cfg.dropout, "eps": cfg.expansion_eps, "dropout_sites": cfg.expansion_dropout}
         if decoder:
-            return DynamicExpansion(cfg.d_model, cfg.expansion_dec, dropout=cfg.dropout)
-        return StaticExpansion(cfg.d_model, cfg.expansion_enc, dropout=cfg.dropout)
+            return DynamicExpansion(cfg.d_model, cfg.expansion_dec, **opts)
+        return StaticExpansion(cfg.d_model, cfg.expansion_enc, **opts)
     raise ValueError(f"unknown attention kind {kind!r}")
+
+
+def _ffn(cfg: ArchConfig) -> FeedForward:
+    return FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.groups if cfg.ffn == "grouped" else 1,
+                       activation=cfg.ffn_activation)
 
 
 class _Sublayer(nn.Module):
     """Residual + LayerNorm around a sublayer, pre-LN (x + Drop(f(LN x))) or post-LN (LN(x + Drop(f x)))."""
 
-    def __init__(self, d: int, dropout: float, pre: bool):
+    def __init__(self, d: int, dropout: float, pre: bool, norm: str = "torch"):
         super().__init__()
-        self.norm = nn.LayerNorm(d)
+        self.norm = layer_norm(norm, d)
         self.drop = nn.Dropout(dropout)
         self.pre = pre
 
@@ -189,9 +233,9 @@ class EncoderLayer(nn.Module):
         pre = cfg.norm == "pre"
         self.kind = cfg.enc_attention
         self.mix = _mixer(cfg.enc_attention, cfg, decoder=False)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.groups if cfg.ffn == "grouped" else 1)
-        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre)
-        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.ffn = _ffn(cfg)
+        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
+        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
         self.geo = GeometryBias(64, cfg.heads) if cfg.geometry else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, geo_emb: torch.Tensor | None) -> torch.Tensor:
@@ -210,10 +254,10 @@ class DecoderLayer(nn.Module):
         self.kind = cfg.dec_attention
         self.self_mix = _mixer(cfg.dec_attention, cfg, decoder=True)
         self.cross = _mixer(cfg.cross_attention, cfg, decoder=False)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.groups if cfg.ffn == "grouped" else 1)
-        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre)
-        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre)
-        self.sub3 = _Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.ffn = _ffn(cfg)
+        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
+        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
+        self.sub3 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
 
     def forward(self, x, memory: Memory, self_mask, cache: dict | None) -> torch.Tensor:
         sc = cache.setdefault("self", {}) if cache is not None else None
@@ -235,7 +279,7 @@ class _Stack(nn.Module):
         self.map = _share_map(share, n)
         self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(len(set(self.map))))
         self.out_kind = cfg.stack_output
-        self.norm = nn.LayerNorm(cfg.d_model)
+        self.norm = layer_norm(cfg.layer_norm, cfg.d_model)
         if cfg.stack_output == "concat":
             self.w_r = nn.Linear(n * cfg.d_model, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
@@ -291,20 +335,33 @@ class Captioner(nn.Module):
         """
         if self.cfg.init == "default":
             return
-        if self.cfg.init != "xavier":
-            raise ValueError(f"unknown init {self.cfg.init!r}: default or xavier")
+        if self.cfg.init not in ("xavier", "released"):
+            raise ValueError(f"unknown init {self.cfg.init!r}: default, xavier or released")
         from captioning.models.expansion import DynamicExpansion, StaticExpansion
 
-        own_init = {id(p) for m in self.modules() if isinstance(m, StaticExpansion | DynamicExpansion)
-                    for p in (m.queries, m.biases)}
+        released = self.cfg.init == "released"
+        expansion = [m for m in self.modules() if isinstance(m, StaticExpansion | DynamicExpansion)]
+        own_init = set() if released else {id(p) for m in expansion for p in (m.queries, m.biases)}
+        # ExpansionNet's released code initialises every dim > 1 parameter, its region projection included
+        skip_input = not (released and expansion)
         for name, p in self.named_parameters():
-            if p.dim() < 2 or name.startswith("input_proj.") or id(p) in own_init:
+            if p.dim() < 2 or (skip_input and name.startswith("input_proj.")) or id(p) in own_init:
                 continue
             if name.endswith(".geo.w.weight"):  # (heads, 64): one Linear(64, 1) per head in the released code
                 for row in p.data.split(1, 0):
                     nn.init.xavier_uniform_(row)
             else:
                 nn.init.xavier_uniform_(p)
+        if not released:
+            return
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, GeometryBias):  # the released heads are deep copies of one Linear(64, 1)
+                    m.w.bias.copy_(m.w.bias[:1].expand_as(m.w.bias).clone())
+                if isinstance(m, MultiHeadAttention) and m.k > 1:  # LW's released attention: biases start at 0
+                    for lin in (m.q, getattr(m, "k_proj", None), getattr(m, "v", None), m.o):
+                        if lin is not None:
+                            nn.init.zeros_(lin.bias)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -460,11 +517,13 @@ class Captioner(nn.Module):
         return inputs, y
 
     def xe_loss(self, features, boxes, region_mask, targets: torch.Tensor, label_smoothing: float = 0.0,
-                reduction: str = "mean") -> torch.Tensor:
+                reduction: str = "mean", sync_free: bool = False) -> torch.Tensor:
         """Mean token cross-entropy; ``targets`` (B, C, T+1) or (N, T+1) with the images repeated C times.
 
         ``reduction="sum"`` gives the sum over the target tokens instead (data-parallel training divides it by
-        the global token count)."""
+        the global token count). ``sync_free``: label smoothing sums the masked losses instead of selecting the
+        target tokens (a selection's size is read on the host, which a CUDA graph cannot do); the same value up
+        to float rounding."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         if targets.dim() == 3:
@@ -477,12 +536,16 @@ class Captioner(nn.Module):
         logp = self.forward(None, None, None, inputs, memory=memory)
         if not label_smoothing:
             return F.nll_loss(logp.reshape(-1, logp.shape[-1]), y.reshape(-1), ignore_index=PAD, reduction=reduction)
-        return _smoothed_nll(logp, y, label_smoothing, reduction)
+        return _smoothed_nll(logp, y, label_smoothing, reduction, sync_free)
 
 
-def _smoothed_nll(logp: torch.Tensor, y: torch.Tensor, eps: float, reduction: str = "mean") -> torch.Tensor:
+def _smoothed_nll(logp: torch.Tensor, y: torch.Tensor, eps: float, reduction: str = "mean",
+                  sync_free: bool = False) -> torch.Tensor:
     valid = y != PAD
     nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     smooth = -logp.mean(-1)
     loss = (1 - eps) * nll + eps * smooth
+    if sync_free:
+        total = torch.where(valid, loss, 0.0).sum()
+        return total if reduction == "sum" else total / valid.sum().clamp(min=1)
     return loss[valid].sum() if reduction == "sum" else loss[valid].mean()

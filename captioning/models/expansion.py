@@ -33,6 +33,17 @@ feeds whole groups (the skeleton's ``decode_step`` feeds K tokens per step).
 With a static cache (:mod:`captioning.models.static_cache`) the same seven states live in buffers of the
 cache's preallocated positions, written in place; the mask (over every preallocated position) gives positions
 not fed yet zero weight in both the forward and the backward, so the numbers are those of the growing cache.
+
+Deviations from the released code (jchenghu/ExpansionNet), each an :class:`ArchConfig` option whose
+``released`` value reproduces the released arithmetic (``expansionnet@released``):
+
+- ``expansion_eps``: capflow 1e-4 (:data:`DEFAULT_EPS`), released 1e-9. With 1e-9 a row whose only visible key
+  has similarity 1e-3 still gives that key weight 1.0 (1e-4: 0.909); 1e-4 damps near-empty rows.
+- ``expansion_dropout``: capflow drops out the two forward results ``F+-`` (bias included); ``released`` drops
+  out ``Z`` (one mask, used by the forward and the backward), ``F+-`` and ``Y+-`` (5 sites), and in the dynamic
+  block adds the bias ``b_{t,n}`` after the dropout of ``F+-``.
+- ``init="released"``: the expansion slots ``Q``/``B`` are Glorot-uniform (as every ``dim() > 1`` parameter
+  there; about 12x smaller than capflow's ``N(0, 1/3)``), and so is the region projection.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ from torch import nn
 from captioning.models import static_cache
 
 DEFAULT_EPS = 1e-4
+RELEASED_EPS = 1e-9
+DROPOUT_SITES = ("capflow", "released")
 
 
 def row_normalize(a: torch.Tensor, mask: torch.Tensor | None = None, eps: float = DEFAULT_EPS) -> torch.Tensor:
@@ -66,9 +79,12 @@ def _init_expansion(p: torch.Tensor) -> None:
 class StaticExpansion(nn.Module):
     """Encoder expansion: regions -> N_E learned slots -> regions (no self-attention)."""
 
-    def __init__(self, d_model: int, n_exp: int, dropout: float = 0.1, eps: float = DEFAULT_EPS):
+    def __init__(self, d_model: int, n_exp: int, dropout: float = 0.1, eps: float = DEFAULT_EPS,
+                 dropout_sites: str = "capflow"):
         super().__init__()
-        self.d, self.n, self.eps = d_model, n_exp, eps
+        if dropout_sites not in DROPOUT_SITES:
+            raise ValueError(f"unknown expansion dropout sites {dropout_sites!r}: capflow or released")
+        self.d, self.n, self.eps, self.released = d_model, n_exp, eps, dropout_sites == "released"
         self.queries = nn.Parameter(torch.empty(n_exp, d_model))  # Q_E
         self.biases = nn.Parameter(torch.empty(n_exp, d_model))  # B_E
         _init_expansion(self.queries)
@@ -82,12 +98,16 @@ class StaticExpansion(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """x (B, R, d), mask (B, R) bool True = real region -> (B, R, d); padded regions' outputs are 0."""
         z = self.queries @ self.key(x).transpose(1, 2) / math.sqrt(self.d)  # (B, N_E, R)
+        if self.released:
+            z = self.drop(z)
         cols = mask[:, None, :] if mask is not None else None
         fa = self.drop(row_normalize(F.relu(z), cols, self.eps) @ self.val_a(x) + self.biases)  # (B, N_E, d)
         fb = self.drop(row_normalize(F.relu(-z), cols, self.eps) @ self.val_b(x) + self.biases)
         zt = z.transpose(1, 2)  # (B, R, N_E)
         ya = row_normalize(F.relu(zt), eps=self.eps) @ fa  # (B, R, d)
         yb = row_normalize(F.relu(-zt), eps=self.eps) @ fb
+        if self.released:
+            ya, yb = self.drop(ya), self.drop(yb)
         s = torch.sigmoid(self.select(x))
         out = s * ya + (1 - s) * yb
         if mask is not None:
@@ -101,9 +121,12 @@ _CACHED = ("c", "k", "va", "vb", "qk", "fa", "fb")
 class DynamicExpansion(nn.Module):
     """Decoder expansion: every position owns N_D input-conditioned slots; visibility follows ``self_mask``."""
 
-    def __init__(self, d_model: int, n_exp: int, dropout: float = 0.1, eps: float = DEFAULT_EPS):
+    def __init__(self, d_model: int, n_exp: int, dropout: float = 0.1, eps: float = DEFAULT_EPS,
+                 dropout_sites: str = "capflow"):
         super().__init__()
-        self.d, self.n, self.eps = d_model, n_exp, eps
+        if dropout_sites not in DROPOUT_SITES:
+            raise ValueError(f"unknown expansion dropout sites {dropout_sites!r}: capflow or released")
+        self.d, self.n, self.eps, self.released = d_model, n_exp, eps, dropout_sites == "released"
         self.queries = nn.Parameter(torch.empty(n_exp, d_model))  # Q_D
         self.biases = nn.Parameter(torch.empty(n_exp, d_model))  # B_D
         _init_expansion(self.queries)
@@ -154,12 +177,19 @@ class DynamicExpansion(nn.Module):
 
         # forward of the new groups over all visible keys: Z[t, n, j] = c_t . k_j + Q_D[n] . k_j
         z = (new["c"] @ full["k"].transpose(1, 2) * scale)[:, :, None, :] + full["qk"].transpose(1, 2)[:, None]
+        zmask = None
+        if self.released and self.training and self.drop.p > 0:  # one dropout mask on Z, forward and backward
+            if tq != tk:
+                raise ValueError("released expansion dropout on Z needs the whole sequence (no cache) in training")
+            zmask = self.drop(torch.ones(z.shape, dtype=z.dtype, device=z.device))  # (B, T, N, T): 0 or 1/(1-p)
+            z = z * zmask
         kmask = m[:, :, None, :]  # (Bm, Tq, 1, Tk)
         bias = self.biases + new["c"][:, :, None, :]  # b_{t,n}: (B, Tq, N, d)
 
         def fwd(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # (B, Tq, N, Tk) x (B, Tk, d) -> (B, Tq, N, d)
             w = row_normalize(w, kmask, self.eps)
-            return self.drop((w.reshape(b, tq * self.n, tk) @ v).view(b, tq, self.n, d) + bias)
+            f = (w.reshape(b, tq * self.n, tk) @ v).view(b, tq, self.n, d)
+            return self.drop(f) + bias if self.released else self.drop(f + bias)
 
         new["fa"] = fwd(F.relu(z), full["va"])
         new["fb"] = fwd(F.relu(-z), full["vb"])
@@ -171,6 +201,8 @@ class DynamicExpansion(nn.Module):
 
         # backward of the new tokens over all visible groups: weight of (t', n) for token i is Z[t', n, i]
         zb = (new["k"] @ full["c"].transpose(1, 2) * scale)[:, :, :, None] + new["qk"][:, :, None, :]  # (B,Tq,Tk,N)
+        if zmask is not None:  # zb[i, t', n] = Z[t', n, i]
+            zb = zb * zmask.permute(0, 3, 1, 2)
         gmask = m[:, :, :, None].expand(-1, -1, -1, self.n).reshape(m.shape[0], tq, tk * self.n)
 
         def bwd(w: torch.Tensor, f: torch.Tensor) -> torch.Tensor:  # -> (B, Tq, d)
@@ -179,6 +211,8 @@ class DynamicExpansion(nn.Module):
 
         ya = bwd(F.relu(zb), full["fa"])
         yb = bwd(F.relu(-zb), full["fb"])
+        if self.released:
+            ya, yb = self.drop(ya), self.drop(yb)
         s = torch.sigmoid(self.select(x))
         if cache is not None and not static:
             cache.update({name: full[name] for name in _CACHED})

@@ -90,6 +90,7 @@ class MultiHeadAttention(nn.Module):
         zodiac_gate: str = "sigmoid",
         zodiac_dropout: float = 0.2,
         zoneup: float = 1.0,
+        zodiac_pool: str = "sample",
     ):
         super().__init__()
         if share not in (None, "kv", "qk"):
@@ -117,6 +118,9 @@ class MultiHeadAttention(nn.Module):
             self.gate = torch.sigmoid if zodiac_gate == "sigmoid" else torch.tanh
             self.zoneup = zoneup
             self.z_drop = nn.Dropout(zodiac_dropout)
+            if zodiac_pool not in ("sample", "released"):
+                raise ValueError(f"unknown ZoDIAC pooling {zodiac_pool!r}: sample or released")
+            self.zodiac_pool = zodiac_pool
         self.grouped_merge = grouped_merge
         self.o = nn.Linear(d_model // groups, d_model // groups) if grouped_merge else nn.Linear(d_model, d_model)
         self.drop = nn.Dropout(dropout)
@@ -198,6 +202,9 @@ class MultiHeadAttention(nn.Module):
                     k = torch.cat([cache["k"], k], dim=2)
                     v = k if self.share == "kv" else torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
+        if self.zodiac and self.zodiac_pool == "released" and cache is not None and kind == "self":
+            raise ValueError("zodiac_pool='released' pools over every query of the prefix: decode without a cache "
+                             "(use_cache=False)")
         if self._use_fused(q):
             out = self._fused_attention(q, k, v, mask, bias)
         else:
@@ -224,7 +231,9 @@ class MultiHeadAttention(nn.Module):
             out = self.z_drop(attn @ v)
             q2 = self._split(query, self.q2, self.d_qk)
             inten = F.gelu(q2 @ v.transpose(-1, -2) / math.sqrt(self.d_qk))  # (B, h, Tq, Tk)
-            if mask is not None:
+            if self.zodiac_pool == "released":
+                pooled = self._released_pool(inten, mask)
+            elif mask is not None:
                 valid = mask.expand_as(inten)
                 pooled = (inten * valid).sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
             else:
@@ -234,21 +243,40 @@ class MultiHeadAttention(nn.Module):
             out = self.drop(attn) @ v
         return out
 
+    @staticmethod
+    def _released_pool(inten: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The released ZoDIAC code's pooling (``zodiac_pool="released"``): ONE scalar for the whole call, the sum
+        of the intensities at every (sample, head, query, valid key) divided by the number of True entries of the
+        mask as given (``(B, 1, 1, Tk)`` for memory keys, ``(B, 1, Tq, Tk)`` for the decoder's own): it mixes
+        samples (and beams) and ignores the head and query counts in the denominator. Reproduces the released
+        arithmetic for checkpoints trained with it; it needs the whole prefix every step (decode with
+        ``use_cache=False``)."""
+        if mask is None:
+            return inten.mean().reshape(1, 1, 1, 1)
+        m = mask.to(inten.dtype)
+        return ((inten * m).sum() / m.sum()).reshape(1, 1, 1, 1)
+
 
 class FeedForward(nn.Module):
-    """Dense FFN, or LW-Transformer's G-FFN: dense first layer, then one shared W_2' applied per group."""
+    """Dense FFN, or LW-Transformer's G-FFN: dense first layer, then one shared W_2' applied per group.
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1, groups: int = 1):
+    ``activation="none"`` drops the ReLU (``w_2(Drop(w_1 x))``), as ZoDIAC's released model classes
+    (``ZTransformerModel.py``, ``ZTransformerModel2.py``) do; capflow's default keeps it."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1, groups: int = 1, activation: str = "relu"):
         super().__init__()
         if d_ff % groups or d_model % groups:
             raise ValueError(f"d_ff {d_ff} and d_model {d_model} must be divisible by groups {groups}")
+        if activation not in ("relu", "none"):
+            raise ValueError(f"unknown FFN activation {activation!r}: relu or none")
+        self.act = F.relu if activation == "relu" else (lambda t: t)
         self.k = groups
         self.w1 = nn.Linear(d_model, d_ff)
         self.w2 = nn.Linear(d_ff // groups, d_model // groups)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop(F.relu(self.w1(x)))
+        h = self.drop(self.act(self.w1(x)))
         if self.k == 1:
             return self.w2(h)
         b, t, f = h.shape
@@ -264,7 +292,9 @@ class BoxGeometry(nn.Module):
 
     def forward(self, boxes: torch.Tensor) -> torch.Tensor:
         """boxes (B, R, 4) x1,y1,x2,y2 in [0,1] -> (B, R, R, dim)."""
-        x0, y0, x1, y1 = boxes.float().unbind(-1)
+        if not boxes.is_floating_point():
+            boxes = boxes.float()
+        x0, y0, x1, y1 = boxes.unbind(-1)  # in the boxes' own precision (float64 models stay float64)
         cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
         w = (x1 - x0) + self.width_offset
         h = (y1 - y0) + self.width_offset
@@ -274,7 +304,7 @@ class BoxGeometry(nn.Module):
         dh = torch.log(h[..., :, None] / h[..., None, :])
         delta = torch.stack([dx, dy, dw, dh], -1)  # (B, R, R, 4)
         n = self.dim // 8
-        omega = self.wave_len ** (-torch.arange(n, device=boxes.device, dtype=torch.float32) / n)
+        omega = self.wave_len ** (-torch.arange(n, device=boxes.device, dtype=boxes.dtype) / n)
         arg = (self.scale * delta)[..., None] * omega  # (B, R, R, 4, n)
         emb = torch.cat([torch.sin(arg), torch.cos(arg)], -1)  # (B, R, R, 4, 2n)
         return emb.flatten(-2)  # (B, R, R, 8n = dim)
@@ -290,6 +320,35 @@ class GeometryBias(nn.Module):
     def forward(self, emb: torch.Tensor) -> torch.Tensor:
         g = F.relu(self.w(emb))  # (B, R, R, h)
         return torch.log(torch.clamp(g, min=1e-6)).permute(0, 3, 1, 2)
+
+
+class AnnotatedLayerNorm(nn.Module):
+    """The Annotated Transformer's LayerNorm, used by the released AIC (ruotianluo), SATIC, ZoDIAC and ORT/ACORT
+    code: ``weight * (x - mean) / (std + eps) + bias`` with the *unbiased* standard deviation and ``eps`` outside
+    the root (``nn.LayerNorm``: biased variance, eps inside the root). Parameters are named like
+    ``nn.LayerNorm``'s (``weight``, ``bias``), so checkpoints of either kind load into the other."""
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        return self.weight * (x - mean) / (x.std(-1, keepdim=True) + self.eps) + self.bias
+
+
+LAYER_NORMS = ("torch", "annotated")
+
+
+def layer_norm(kind: str, d: int) -> nn.Module:
+    """``torch``: ``nn.LayerNorm(d)`` (capflow's default); ``annotated``: :class:`AnnotatedLayerNorm`."""
+    if kind == "torch":
+        return nn.LayerNorm(d)
+    if kind == "annotated":
+        return AnnotatedLayerNorm(d)
+    raise ValueError(f"unknown layer norm {kind!r}: one of {', '.join(LAYER_NORMS)}")
 
 
 def sinusoid_table(length: int, d: int) -> torch.Tensor:

@@ -3,12 +3,20 @@
 Paper-size presets carry the vocabulary size their paper counts with (AIC/LW/ZoDIAC/SATIC: 9,487 words + 1
 output class; ORT: 10,001; ACORT: radix v=768 -> 771 classes; ExpansionNet: ~10k). :func:`build` and
 :func:`for_vocab` adapt a preset to a real vocabulary and to demo sizes.
+
+Every preset also has a ``released`` flavour, ``<name>@released`` (:func:`released`): the same parameters, with
+the fidelity options of :class:`ArchConfig` set to reproduce the papers' released code's module arithmetic
+(Annotated-Transformer LayerNorm for AIC/SATIC/ZoDIAC/ORT/ACORT; ZoDIAC's FFN without ReLU and batch-level
+pooling; ExpansionNet's eps 1e-9, five dropout sites and no cross-attention dropout; the released
+initialisation details). Checkpoints imported from the released code (:mod:`captioning.models.importers`) use
+these flavours.
 """
 
 from __future__ import annotations
 
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 
+RELEASED_SUFFIX = "@released"
 AIC = ArchConfig(vocab_size=9488)
 _ORT = AIC.replace(geometry=True, vocab_size=10001)
 _ACORT = _ORT.replace(share="kv", codec="radix", vocab_size=771, bos=769, eos=770,
@@ -61,9 +69,26 @@ PAPER_PARAMS: dict[str, tuple[int | None, str]] = {
     "zodiac-sigmoid": (59_642_640, "full"),
     "zodiac-tanh": (59_642_640, "full"),
 }
+PAPER_PARAMS.update({name + RELEASED_SUFFIX: v for name, v in list(PAPER_PARAMS.items())})  # same counts
+
+
+def released(cfg: ArchConfig) -> ArchConfig:
+    """The released code's arithmetic for an architecture (any preset or combination): see the module docstring.
+    LW-Transformer's released M2-shaped skeleton is not built (its layer modules are matched exactly)."""
+    changes: dict = {"init": "released"}
+    expansion = "expansion" in (cfg.enc_attention, cfg.dec_attention)
+    if expansion:  # ExpansionNet: nn.LayerNorm already; eps, dropout sites, no attention-weight dropout
+        changes.update(expansion_eps=1e-9, expansion_dropout="released", attn_dropout=0.0)
+    elif cfg.groups == 1:  # the Annotated-Transformer-based references (AIC, SATIC, ZoDIAC, ORT/ACORT)
+        changes.update(layer_norm="annotated")
+    if "zodiac" in (cfg.enc_attention, cfg.dec_attention, cfg.cross_attention):
+        changes.update(ffn_activation="none", zodiac_pool="released")
+    return cfg.replace(**changes)
 
 
 def preset(name: str) -> ArchConfig:
+    if name.endswith(RELEASED_SUFFIX):
+        return released(preset(name[: -len(RELEASED_SUFFIX)]))
     if name == "lw-baseline":
         return AIC
     if name not in PRESETS:
