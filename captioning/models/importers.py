@@ -1,0 +1,217 @@
+"""Import the papers' released checkpoints into capflow (the ``released`` flavours, :func:`registry.released`).
+
+Supported: the Annotated-Transformer-based captioners of ruotianluo's self-critical.pytorch code base -
+``aic`` (``TransformerModel``), ``satic`` (YuanEZhou/satic ``SAT``) and ``zodiac`` (zanyarz/zodiac
+``ZTransformerModel``). Their state dicts name the parts::
+
+    att_embed.0.{weight,bias}                                   -> input_proj   (Linear(d_in, d), ReLU, Dropout)
+    model.{encoder,decoder}.layers.i.self_attn.linears.j.*      -> ...mix / self_mix: q, k_proj, v, o
+                                                                   (ZoDIAC: q, q2, k_proj, v, o)
+    model.decoder.layers.i.src_attn.linears.j.*                 -> decoder.layers.i.cross
+    model.{encoder,decoder}.layers.i.feed_forward.w_{1,2}.*     -> ...ffn.w1 / w2
+    model.{encoder,decoder}.layers.i.sublayer.j.norm.{a_2,b_2}  -> ...sub{j+1}.norm.{weight,bias}
+    model.{encoder,decoder}.norm.{a_2,b_2}                      -> {encoder,decoder}.norm.{weight,bias}
+    model.tgt_embed.0.lut.weight, model.generator.proj.*        -> embed, generator (ids remapped)
+    model.tgt_embed.1.pe                                        (the sinusoid table: checked, not copied)
+
+Ids: the released code uses 0 as BOS, EOS and padding and 1..V for the words of its ``ix_to_word``; capflow has
+``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, the words, then ``<unk>``. The embedding rows are permuted accordingly
+(``<bos>`` and ``<pad>`` take row 0), the generator's too (``<eos>`` takes row 0; ``<pad>`` and ``<bos>``, which
+the released model cannot emit, get weight 0 and bias -1e9, so every other log-prob is unchanged). A released
+word ``UNK`` becomes ``<unk>``.
+
+Files are read with ``torch.load(weights_only=True)`` only: a checkpoint that needs arbitrary unpickling is
+refused. Unknown or missing keys, and shapes that disagree, are errors naming them. Not supported (their
+state-dict layout is not established here): ORT/ACORT (jiahuei/sparse-image-captioning), ExpansionNet
+(jchenghu/ExpansionNet) and LW-Transformer (luogen1996/LWTransformer, an M2-shaped skeleton capflow does not
+build).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from captioning.models.encoder_decoder import ArchConfig, Captioner
+from captioning.models.layers import sinusoid_table
+from captioning.models.registry import preset, released
+
+FAMILIES = ("aic", "satic", "zodiac")
+_NEVER = -1e9  # generator bias of classes the released model cannot emit
+
+
+class ImportCheckpointError(ValueError):
+    """A checkpoint that cannot be imported; the message names the keys or the reason."""
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A released checkpoint's state dict, read with ``weights_only=True`` (a bare state dict, or one nested
+    under ``model``/``state_dict``/``model_state_dict``)."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ImportCheckpointError(f"no checkpoint at {path}") from None
+    except Exception as e:  # pickle errors have many types
+        raise ImportCheckpointError(
+            f"{path} cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {e}); capflow does not "
+            "unpickle arbitrary objects: save the model's state_dict() alone (torch.save(model.state_dict(), ...))"
+        ) from None
+    for key in ("model", "state_dict", "model_state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ImportCheckpointError(f"{path} does not hold a state dict of tensors")
+    return dict(obj)
+
+
+def _count(sd: dict[str, torch.Tensor], prefix: str) -> int:
+    ids = {int(m.group(1)) for k in sd if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
+    if ids != set(range(len(ids))):
+        raise ImportCheckpointError(f"layers {sorted(ids)} under {prefix} are not 0..n-1")
+    return len(ids)
+
+
+def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str], *, heads: int = 8,
+                      group_size: int | None = None) -> tuple[ArchConfig, dict[str, torch.Tensor], list[str]]:
+    """Released state dict (AIC/SATIC/ZoDIAC) -> (capflow config, capflow state dict, capflow word list).
+
+    ``words``: the released ``ix_to_word`` in id order (word ids 1..V). Returns the words capflow's
+    vocabulary holds (``UNK`` removed: it becomes ``<unk>``)."""
+    if family not in FAMILIES:
+        raise ImportCheckpointError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    if family == "satic" and not group_size:
+        raise ImportCheckpointError("a SATIC checkpoint needs its group size K (not stored in the weights)")
+    sd = dict(sd)
+    need = ["att_embed.0.weight", "model.tgt_embed.0.lut.weight", "model.generator.proj.weight"]
+    missing = [k for k in need if k not in sd]
+    if missing:
+        raise ImportCheckpointError(f"not a released {family} state dict: missing {', '.join(missing)}")
+    d, d_in = sd["att_embed.0.weight"].shape
+    n_enc, n_dec = _count(sd, "model.encoder.layers."), _count(sd, "model.decoder.layers.")
+    d_ff = sd["model.encoder.layers.0.feed_forward.w_1.weight"].shape[0]
+    n_out = sd["model.generator.proj.weight"].shape[0]
+    if n_out != len(words) + 1:
+        raise ImportCheckpointError(f"the checkpoint has {n_out} output classes, the vocabulary {len(words)} words "
+                                    "+ 1 (id 0 = BOS/EOS)")
+    kept = [w for w in words if w != "UNK"]
+    vocab_size = 3 + len(kept) + 1  # <pad> <bos> <eos> words <unk>
+    base = {"aic": "aic", "satic": "aic", "zodiac": "zodiac-sigmoid"}[family]
+    cfg = released(preset(base)).replace(
+        d_model=d, d_in=d_in, heads=heads, d_ff=d_ff, enc_layers=n_enc, dec_layers=n_dec, vocab_size=vocab_size,
+        bos=1, eos=2, group_size=group_size or 1)
+    # SATIC and AIC release a standard FFN; ZoDIAC's released classes have none (registry.released)
+    linears = ("q", "q2", "k_proj", "v", "o") if family == "zodiac" else ("q", "k_proj", "v", "o")
+
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+
+    def take(src: str, dst: str) -> None:
+        if src not in sd:
+            raise ImportCheckpointError(f"missing key {src}")
+        out[dst] = sd[src]
+        used.add(src)
+
+    take("att_embed.0.weight", "input_proj.weight")
+    take("att_embed.0.bias", "input_proj.bias")
+    for stack, n in (("encoder", n_enc), ("decoder", n_dec)):
+        attns = [("self_attn", "mix")] if stack == "encoder" else [("self_attn", "self_mix"), ("src_attn", "cross")]
+        for i in range(n):
+            src, dst = f"model.{stack}.layers.{i}.", f"{stack}.layers.{i}."
+            for a_src, a_dst in attns:
+                for j, name in enumerate(linears):
+                    for p in ("weight", "bias"):
+                        take(f"{src}{a_src}.linears.{j}.{p}", f"{dst}{a_dst}.{name}.{p}")
+            for w in ("1", "2"):
+                for p in ("weight", "bias"):
+                    take(f"{src}feed_forward.w_{w}.{p}", f"{dst}ffn.w{w}.{p}")
+            for j in range(len(attns) + 1):
+                take(f"{src}sublayer.{j}.norm.a_2", f"{dst}sub{j + 1}.norm.weight")
+                take(f"{src}sublayer.{j}.norm.b_2", f"{dst}sub{j + 1}.norm.bias")
+        take(f"model.{stack}.norm.a_2", f"{stack}.norm.weight")
+        take(f"model.{stack}.norm.b_2", f"{stack}.norm.bias")
+
+    # ids: capflow id -> released row
+    rows = {0: 0, 1: 0, 2: 0}
+    unk_row = None
+    for rid, w in enumerate(words, start=1):
+        if w == "UNK":
+            unk_row = rid
+        else:
+            rows[3 + kept.index(w)] = rid
+    lut, proj_w = sd["model.tgt_embed.0.lut.weight"], sd["model.generator.proj.weight"]
+    proj_b = sd.get("model.generator.proj.bias")
+    if proj_b is None:
+        raise ImportCheckpointError("missing key model.generator.proj.bias")
+    used.update({"model.tgt_embed.0.lut.weight", "model.generator.proj.weight", "model.generator.proj.bias"})
+    unk = vocab_size - 1
+    emb = lut.new_zeros(vocab_size, d)
+    gen_w, gen_b = proj_w.new_zeros(vocab_size, d), proj_b.new_full((vocab_size,), _NEVER)
+    for c, r in rows.items():
+        emb[c] = lut[r]
+    for c, r in rows.items():
+        if c >= 2:  # <eos> (row 0) and the words
+            gen_w[c], gen_b[c] = proj_w[r], proj_b[r]
+    if unk_row is not None:
+        emb[unk], gen_w[unk], gen_b[unk] = lut[unk_row], proj_w[unk_row], proj_b[unk_row]
+    out.update({"embed.weight": emb, "generator.weight": gen_w, "generator.bias": gen_b})
+
+    pe = sd.get("model.tgt_embed.1.pe")
+    if pe is not None:
+        used.add("model.tgt_embed.1.pe")
+        table = sinusoid_table(min(pe.shape[-2], 64), d)
+        if not torch.allclose(pe.reshape(-1, d)[: table.shape[0]].float(), table, atol=1e-4):
+            raise ImportCheckpointError("model.tgt_embed.1.pe is not the sinusoid table capflow uses")
+    unknown = sorted(set(sd) - used)
+    if unknown:
+        raise ImportCheckpointError(f"unknown keys in the released {family} state dict: {', '.join(unknown)}")
+    return cfg, out, kept
+
+
+def build_imported(cfg: ArchConfig, state: dict[str, torch.Tensor], max_len: int = 64) -> Captioner:
+    """A capflow model holding the converted weights (shapes checked by ``load_state_dict``)."""
+    model = Captioner(cfg.replace(max_len=max_len))
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ImportCheckpointError(f"the conversion left capflow keys unset: {', '.join(missing)}")
+    bad = [k for k, v in state.items() if tuple(own[k].shape) != tuple(v.shape)]
+    if bad:
+        raise ImportCheckpointError("shapes disagree: " + ", ".join(
+            f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in bad))
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+    return model.eval()
+
+
+def read_words(path: str | Path) -> list[str]:
+    """The released vocabulary in id order: a JSON list of words (ids 1..V), or a JSON object with
+    ``ix_to_word`` (``{"1": "a", ...}``, ruotianluo's ``cocotalk.json``) or that mapping itself."""
+    from captioning.jsonio import read_json
+
+    obj: Any = read_json(path, "vocabulary", ImportCheckpointError, missing=ImportCheckpointError)
+    if isinstance(obj, dict):
+        obj = obj.get("ix_to_word", obj)
+        try:
+            ids = sorted(int(k) for k in obj)
+        except ValueError:
+            raise ImportCheckpointError(f"{path}: ix_to_word keys must be integers") from None
+        if ids != list(range(1, len(ids) + 1)):
+            raise ImportCheckpointError(f"{path}: word ids must be 1..V")
+        return [obj[str(i)] for i in ids]
+    if isinstance(obj, list) and all(isinstance(w, str) for w in obj):
+        return list(obj)
+    raise ImportCheckpointError(f"{path}: expected a JSON list of words or an ix_to_word mapping")
+
+
+def import_checkpoint(family: str, path: str | Path, vocab_path: str | Path, *, heads: int = 8,
+                      group_size: int | None = None):
+    """Read a released checkpoint and its vocabulary -> (capflow model, capflow Vocabulary)."""
+    from captioning.data.text import Vocabulary
+
+    words = read_words(vocab_path)
+    cfg, state, kept = convert_annotated(load_state_dict(path), family, words, heads=heads, group_size=group_size)
+    model = build_imported(cfg, state)
+    return model, Vocabulary(words=kept, counts=[0] * len(kept))
