@@ -60,7 +60,11 @@ class RunConfig(Section):
         "auto", description="Training/decoding precision on CUDA: auto (bf16 where supported, else fp32), fp32, "
         "bf16 or fp16 (autocast; fp16 with a gradient scaler; checkpoints stay fp32). CPUs always run fp32"
     )
-    compile: bool = Field(False, description="torch.compile the XE training step (first steps pay the compilation)")
+    compile: bool | Literal["off", "default", "graphs"] = Field(
+        False, description="The XE training step: off (false), default (true: torch.compile; the first steps pay "
+        "the compilation) or graphs (replayed from a CUDA graph per batch shape, on CUDA in fp32/bf16; elsewhere "
+        "eager)"
+    )
 
 
 class SyntheticConfig(Section):

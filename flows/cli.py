@@ -437,7 +437,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_train(families=args.presets.split(",") if args.presets else None, device=args.device,
                            batch=args.batch_size, steps=args.repeats, precision=args.precision,
-                           compile=args.compile, quick=args.quick)
+                           compile=args.compile, graphs=args.graphs, quick=args.quick)
     elif args.name == "learning":
         from captioning.bench.learning import run as run_learning
 
@@ -674,6 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
     b.add_argument("--quick", action="store_true", help="train: small models and batches (a quick CPU check)")
     b.add_argument("--compile", action="store_true", help="train: add torch.compile'd XE rows")
+    b.add_argument("--graphs", action="store_true", help="train: add CUDA-graph-captured XE rows (run.compile=graphs)")
     b.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="train: precision of the fast path (auto: bf16 on CUDA where supported)")
     b.set_defaults(func=cmd_bench)

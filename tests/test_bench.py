@@ -117,3 +117,20 @@ def test_bench_train_cli_json(capsys):
         ("xe", "fp32_eager"), ("xe", "fast"), ("scst", "fp32_eager"), ("scst", "fast")}
     assert out["rows"][0]["preset"] == "satic-k4"
     assert set(out["ratios"]) >= {"speedup_vs_fp32_eager", "scst_speedup_vs_fp32_eager"}
+
+
+def test_bench_train_graphs_row():
+    """--graphs adds an XE row fast_graphs per family (on a CPU the eager step: same loss as fast), its ratio,
+    and makes it the headline path."""
+    from captioning.bench.train import run as run_train
+
+    res = run_train(families=["aic"], quick=True, steps=1, warmup=1, memory_batches=(), scst=False, graphs=True)
+    rows = {r["path"]: r for r in res["rows"]}
+    assert list(rows) == ["fp32_eager", "fast", "fast_graphs"]
+    g = rows["fast_graphs"]
+    assert g["compile"] == "graphs" and g["stage"] == "xe" and "graph_replays" not in g  # CPU: no graph
+    assert g["loss"] == pytest.approx(rows["fast"]["loss"], abs=1e-6)
+    ratio = g["images_per_s"] / rows["fp32_eager"]["images_per_s"]
+    assert res["ratios"]["xe_graphs_speedup_vs_fp32_eager_aic"] == pytest.approx(ratio, rel=1e-12)
+    assert res["ratios"]["speedup_vs_fp32_eager"] == res["ratios"]["xe_graphs_speedup_vs_fp32_eager_aic"]
+    assert res["headline_path"] == {"xe": "fast_graphs"} and res["params"]["graphs"] is True

@@ -14,13 +14,16 @@ same run, each on a fresh model with the same seed:
 - ``fast``: ``precision`` (auto = bf16 on a CUDA device that supports it; CPUs run fp32), fused attention
   (``scaled_dot_product_attention``; the ``auto`` attention mode, so CPUs keep the explicit path), the loss read
   once after the timed steps, fused Adam and pinned batches copied ``non_blocking`` on CUDA; with ``compile``
-  an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step).
+  an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step), with ``graphs`` an XE row
+  ``fast_graphs`` (``run.compile: graphs``: forward, loss, backward and clipping replayed from a CUDA graph,
+  :mod:`captioning.training.graphs`; its row says how many steps were replays; on a CPU it is the eager step).
 
 Each measurement runs ``warmup`` untimed steps, then ``steps`` timed ones (the clock stops after the device has
 finished). Rows give images/s, tokens/s (XE: target tokens; SCST: sampled tokens that are rewarded) and, on CUDA,
 the peak memory of the measurement; extra rows give the fast XE path of the first family at other batch sizes
 (``memory_batches``: peak memory and throughput per batch size). Ratios: ``speedup_vs_fp32_eager`` (AIC XE
-images/s, new path / anchor, the new path being ``fast_compiled`` where measured, else ``fast``),
+images/s, new path / anchor, the new path being ``fast_graphs`` where measured, else ``fast_compiled`` where
+measured, else ``fast``; ``headline_path`` names it),
 ``scst_speedup_vs_fp32_eager`` (AIC SCST) and the same per family and path.
 """
 
@@ -116,7 +119,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: int, stage: str, path: str,
-             precision: str, compile: bool, steps: int, warmup: int, scst: dict[str, Any] | None,
+             precision: str, compile: bool | str, steps: int, warmup: int, scst: dict[str, Any] | None,
              seed: int, workers: int) -> dict[str, Any]:
     anchor = path == "fp32_eager"
     torch.manual_seed(seed)
@@ -172,6 +175,9 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
         "steps": steps, "seconds": seconds, "images_per_s": steps * batch / seconds, "tokens_per_s": tokens / seconds,
         "loss": loss, "memory_peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
     }
+    if runner.graphed is not None:
+        g = runner.graphed
+        row.update(graph_replays=g.replays, graph_captures=g.captures, graph_failed=g.failed)
     del runner, opt, sched, model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -181,7 +187,7 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
 def run(families: list[str] | None = None, device: str = "cpu", batch: int | None = None, captions: int | None = None,
         steps: int | None = None, warmup: int | None = None, regions: int | None = None, max_words: int | None = None,
         samples: int | None = None, memory_batches: tuple[int, ...] | None = None, precision: str = "auto",
-        compile: bool = False, scst: bool = True, quick: bool = False, threads: int | None = None,
+        compile: bool = False, graphs: bool = False, scst: bool = True, quick: bool = False, threads: int | None = None,
         workers: int | None = None, seed: int = 0) -> dict:
     """The benchmark's JSON (see the module docstring). ``quick``: small models and batches (a CPU check of the
     whole benchmark in seconds, not a measurement); explicit arguments override either size."""
@@ -221,6 +227,8 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
         paths = [("fp32_eager", "fp32", False), ("fast", fast_precision, False)]
         if compile:
             paths.append(("fast_compiled", fast_precision, True))
+        if graphs:
+            paths.append(("fast_graphs", fast_precision, "graphs"))
         for path, prec, comp in paths:
             rows.append(common | _measure(cfg, xe_ds, dev, batch=batch, stage="xe", path=path, precision=prec,
                                           compile=comp, steps=steps, warmup=warmup, scst=None, seed=seed,
@@ -248,12 +256,16 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
                 ratios[f"{stage}_speedup_vs_fp32_eager_{fam}"] = got["fast"] / got["fp32_eager"]
             if "fast_compiled" in got and "fp32_eager" in got:
                 ratios[f"{stage}_compiled_speedup_vs_fp32_eager_{fam}"] = got["fast_compiled"] / got["fp32_eager"]
-    head, headline = families[0], {}
+            if "fast_graphs" in got and "fp32_eager" in got:
+                ratios[f"{stage}_graphs_speedup_vs_fp32_eager_{fam}"] = got["fast_graphs"] / got["fp32_eager"]
+    head, headline, headline_path = families[0], {}, {}
     for stage, key in (("xe", "speedup_vs_fp32_eager"), ("scst", "scst_speedup_vs_fp32_eager")):
-        # the new path: the compiled one where it was measured
-        for name in (f"{stage}_compiled_speedup_vs_fp32_eager_{head}", f"{stage}_speedup_vs_fp32_eager_{head}"):
+        # the new path: the graph-captured one where it was measured, else the compiled one, else fast
+        for path, name in (("fast_graphs", f"{stage}_graphs_speedup_vs_fp32_eager_{head}"),
+                           ("fast_compiled", f"{stage}_compiled_speedup_vs_fp32_eager_{head}"),
+                           ("fast", f"{stage}_speedup_vs_fp32_eager_{head}")):
             if name in ratios:
-                headline[key] = ratios[name]
+                headline[key], headline_path[stage] = ratios[name], path
                 break
     ratios = headline | ratios
     machine = machine_info() | {"device": str(dev)}
@@ -265,10 +277,11 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
         "machine": machine,
         "params": {"families": families, "batch": batch, "captions": captions, "scst_samples": samples,
                    "regions": regions, "d_in": d_in, "max_words": max_words, "steps": steps, "warmup": warmup,
-                   "precision": fast_precision, "compile": compile, "quick": quick, "workers": workers,
-                   "memory_batches": list(memory_batches)},
+                   "precision": fast_precision, "compile": compile, "graphs": graphs, "quick": quick,
+                   "workers": workers, "memory_batches": list(memory_batches)},
         "rows": rows,
         "ratios": ratios,
+        "headline_path": headline_path,
         "targets": {"speedup_vs_fp32_eager": 4.0, "scst_speedup_vs_fp32_eager": 4.0},
         "issue_targets_images_per_s": {"aic_xe": 2000, "aic_scst": 640},
     }

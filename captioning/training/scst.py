@@ -15,10 +15,19 @@ from the training references, computed once.
 Training runs through :func:`captioning.training.xe.train` with this loss (constant learning rate by default),
 so SCST has the same checkpoint/resume guarantees as XE: sampling draws from torch's global generator, whose
 state is saved with every epoch checkpoint.
+
+The recipe samples with the model in train mode (dropout on), as the released SCST/M2 code does; this is kept.
+Precision: under reduced-precision autocast (``run.precision`` bf16/fp16 on CUDA) the encoder and the
+teacher-forced re-scoring run in the 16-bit type, but the sampling loop (and the greedy baseline) runs in
+fp32 by default (``sample_autocast=False``): it feeds one position per step for B x n rows, so it is
+launch-bound, and autocast re-casts every decoder weight at every step (the weight-cast cache cannot be used
+there: casts cached under ``inference_mode`` cannot be reused by the re-scoring's autograd), roughly doubling
+its kernels; fp32 sampling draws from the fp32 policy. On CPUs autocast is never on: nothing changes there.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +37,7 @@ import torch
 from captioning.data.text import EOS, PAD, RadixCodec
 from captioning.decoding import greedy, sample, word_ids
 from captioning.metrics.cider import CiderD
+from captioning.models.encoder_decoder import Memory
 
 
 @dataclass
@@ -46,11 +56,12 @@ class ScstLoss:
 
     ``references``: ``{image id: [caption word ids (no BOS/EOS), ...]}`` of the training images.
     ``codec``: the radix codec when the model emits radix digits. ``max_tokens``: longest sampled output
-    (tokens, EOS included)."""
+    (tokens, EOS included). ``sample_autocast``: sample (and decode the greedy baseline) under the step's
+    autocast instead of in fp32 (see the module's doc)."""
 
     def __init__(self, references: Mapping[Hashable, Sequence[Sequence[int]]], *, samples: int = 5,
                  baseline: str = "mean", max_tokens: int = 17, codec: RadixCodec | None = None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, sample_autocast: bool = False):
         if baseline not in ("mean", "greedy"):
             raise ValueError(f"baseline must be 'mean' or 'greedy', got {baseline!r}")
         if baseline == "mean" and samples < 2:
@@ -60,6 +71,7 @@ class ScstLoss:
         self.cider = CiderD.from_token_ids({k: [[*map(int, r), EOS] for r in refs] for k, refs in references.items()})
         self.samples, self.baseline, self.max_tokens = samples, baseline, max_tokens
         self.codec, self.temperature = codec, temperature
+        self.sample_autocast = sample_autocast
         self.stats = ScstStats()
 
     # ------------------------------------------------------------------ rewards
@@ -80,20 +92,33 @@ class ScstLoss:
         self.stats = ScstStats()
         return out
 
+    @contextlib.contextmanager
+    def _decoding_precision(self, memory: Memory):
+        """Where the decoding loops run: autocast switched off (fp32; the memory as fp32) unless
+        ``sample_autocast``; a no-op where autocast is off anyway (CPUs, fp32)."""
+        dev = memory.states.device.type
+        if self.sample_autocast or not torch.is_autocast_enabled(dev):
+            yield memory
+            return
+        with torch.autocast(dev, enabled=False):
+            yield Memory(memory.states.float(), memory.mask)
+
     # ------------------------------------------------------------------ loss
     def __call__(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the per-token losses, number of rewarded tokens): the trainer divides by the global count,
         so data-parallel training is exact."""
         n = self.samples
         memory = model.encode(batch.features, batch.boxes, batch.region_mask)
-        drawn = sample(model, memory, n=n, max_len=self.max_tokens, temperature=self.temperature)
+        with self._decoding_precision(memory) as dec_memory:
+            drawn = sample(model, dec_memory, n=n, max_len=self.max_tokens, temperature=self.temperature)
         toks = drawn.tokens.reshape(-1, drawn.tokens.shape[-1])  # (B*n, L), image b -> rows b*n..b*n+n-1
         ids = batch.image_ids.tolist()
         reward = self.rewards(toks, [i for i in ids for _ in range(n)]).reshape(len(ids), n)
         if self.baseline == "mean":
             base = (reward.sum(1, keepdims=True) - reward) / (n - 1)
         else:
-            g = greedy(model, memory, max_len=self.max_tokens)
+            with self._decoding_precision(memory) as dec_memory:
+                g = greedy(model, dec_memory, max_len=self.max_tokens)
             base = np.repeat(self.rewards(g.flat(), ids)[:, None], n, axis=1)
         self.stats.reward += float(reward.sum())
         self.stats.baseline += float(base.sum())

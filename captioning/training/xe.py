@@ -20,7 +20,11 @@ rank's RNG state.
 The loop does not wait for the GPU: the loss of each step stays on the device (summed in float64 there, exactly
 the arithmetic of summing ``float(loss)`` on the host, so the logged numbers are the same) and is read every
 ``log_every`` steps and at the end of the epoch; batches are copied from pinned memory with ``non_blocking``
-on CUDA; the optimizer is the fused Adam on CUDA. ``compile`` runs the XE step through ``torch.compile``.
+on CUDA; the optimizer is the fused Adam on CUDA. ``compile`` (``run.compile``): ``"off"`` (False), ``"default"``
+(True: the XE step through ``torch.compile``) or ``"graphs"``: on CUDA in fp32/bf16 the XE step's forward,
+loss, backward and clipping are replayed from a CUDA graph per batch shape (:mod:`captioning.training.graphs`;
+the host no longer launches the step's ~2,000 kernels one by one); elsewhere (CPUs, fp16, data-parallel, a
+custom loss) the eager step runs, so a CPU run is the same with any setting.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from tqdm.auto import tqdm
 from captioning.data.loader import CaptionDataset, make_loader
 from captioning.models.encoder_decoder import PAD, Captioner
 from captioning.precision import autocast, grad_scaler, resolve_precision
-from captioning.training import checkpoint, ddp
+from captioning.training import checkpoint, ddp, graphs
 from captioning.training.schedules import constant, noam, step_decay
 
 log = logging.getLogger(__name__)
@@ -61,7 +65,7 @@ class TrainSettings:
     clip: float | None = 0.1  # gradient clipping by value
     workers: int = 0
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (captioning.precision; CPUs always run fp32)
-    compile: bool = False  # torch.compile the XE step (single process)
+    compile: bool | str = False  # off (False) | default (True: torch.compile) | graphs (CUDA graphs): the XE step
     log_every: int = 50  # read the loss on the host (a device sync) every N steps; 1 = every step
     fused_optimizer: bool = True  # the fused Adam kernel on CUDA (ignored on CPU)
     patience: int | None = None  # early stopping (epochs without validation improvement)
@@ -95,11 +99,26 @@ def make_optimizer(model: torch.nn.Module, s: TrainSettings, steps_per_epoch: in
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
 
+COMPILE_MODES = ("off", "default", "graphs")
+
+
+def compile_mode(value: bool | str | None) -> str:
+    """``run.compile`` / ``TrainSettings.compile`` as one of :data:`COMPILE_MODES` (booleans: off / default)."""
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "default"
+    if isinstance(value, str) and value.lower() in COMPILE_MODES:
+        return value.lower()
+    raise ValueError(f"unknown compile mode {value!r}: one of {', '.join(COMPILE_MODES)} (or true/false)")
+
+
 StepFn = Callable[[Captioner, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor | int | float]]
 
 
-def _xe_step(model: Captioner, batch, s: TrainSettings) -> torch.Tensor:
-    return model.xe_loss(batch.features, batch.boxes, batch.region_mask, batch.tokens, s.label_smoothing)
+def _xe_step(model: Captioner, batch, s: TrainSettings, sync_free: bool = False) -> torch.Tensor:
+    return model.xe_loss(batch.features, batch.boxes, batch.region_mask, batch.tokens, s.label_smoothing,
+                         sync_free=sync_free)
 
 
 def _xe_sum_step(model: Captioner, batch, s: TrainSettings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +183,10 @@ class StepRunner:
 
     Calling it with a batch already on the device returns the batch's mean loss as a float64 tensor on the
     device (no host sync), or a float in data-parallel mode (whose all-reduce of the loss syncs anyway).
-    ``settings.compile`` compiles the XE step with ``torch.compile`` (single process, XE only: a custom
-    ``loss_fn`` such as SCST's sampling loop stays eager)."""
+    ``settings.compile``: ``default`` compiles the XE step with ``torch.compile``, ``graphs`` replays it from a
+    CUDA graph (:class:`captioning.training.graphs.GraphedXeStep`; CUDA, fp32/bf16); both single process and XE
+    only: a custom ``loss_fn`` such as SCST's sampling loop stays eager. ``self.graphed`` is the graph runner
+    where it is used, else None."""
 
     def __init__(self, model: Captioner, opt: torch.optim.Optimizer, sched, settings: TrainSettings,
                  device: torch.device, *, loss_fn: StepFn | None = None,
@@ -177,12 +198,24 @@ class StepRunner:
         self.device = device
         self.scaler = grad_scaler(self.precision, device)
         fn: StepFn = loss_fn or (lambda m, b: _xe_step(m, b, s))
-        if s.compile and loss_fn is None and wrapped is None:
+        mode = compile_mode(s.compile)
+        xe_only = loss_fn is None and wrapped is None
+        if mode == "default" and xe_only:
             fn = torch.compile(fn)
         self.fn = fn
-        self.cache_casts = loss_fn is None  # a custom loss (SCST) decodes: see captioning.precision.autocast
+        self.graphed = None
+        if mode == "graphs" and xe_only and graphs.supported(device, self.precision):
+            self.graphed = graphs.GraphedXeStep(model, lambda m, b: _xe_step(m, b, s, sync_free=True),
+                                                self.precision, device, s.clip)
+        # a custom loss (SCST) decodes, see captioning.precision.autocast; unless it says its decoding is eager
+        self.cache_casts = loss_fn is None or bool(getattr(loss_fn, "autocast_cache", False))
 
     def __call__(self, batch) -> torch.Tensor | float:
+        if self.graphed is not None:  # forward, backward and clipping replayed; the optimizer eager
+            value = self.graphed(batch)
+            self.opt.step()
+            self.sched.step()
+            return value
         if self.wrapped is None:
             with autocast(self.precision, self.device, cache=self.cache_casts):
                 loss = self.fn(self.model, batch)

@@ -129,3 +129,48 @@ def test_radix_student_scst_step(synth_ctx, tmp_path):
     cfg.students.scst.epochs = 1
     _, r = fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
     assert np.isfinite(r.history[0]["loss"]) and r.history[0]["reward"] >= 0
+
+
+@pytest.mark.parametrize("sample_autocast", [False, True])
+def test_sampling_runs_in_fp32_under_autocast_unless_asked(sample_autocast, monkeypatch):
+    """Under reduced-precision autocast (CPU bf16 autocast standing in for CUDA's) the sampler and the greedy
+    baseline run with autocast off (fp32 memory) by default, the re-scoring under autocast; with
+    ``sample_autocast`` both decode under it. Without autocast (every CPU run) nothing changes: the same loss."""
+    from captioning.training import scst
+
+    seen = []
+
+    def spy(fn):
+        def wrapped(model, memory, **kw):
+            seen.append((fn.__name__, torch.is_autocast_enabled("cpu"), memory.states.dtype))
+            return fn(model, memory, **kw)
+        return wrapped
+
+    monkeypatch.setattr(scst, "sample", spy(scst.sample))
+    monkeypatch.setattr(scst, "greedy", spy(scst.greedy))
+    model = _tiny("aic").train()
+    refs = {7: [[3, 4, 5]], 8: [[6, 7]]}
+
+    class B:
+        features = torch.randn(2, 5, 12)
+        boxes = torch.rand(2, 5, 4)
+        region_mask = torch.ones(2, 5, dtype=torch.bool)
+        image_ids = torch.tensor([7, 8])
+
+    for baseline, n in (("mean", 4), ("greedy", 2)):
+        rl = ScstLoss(refs, samples=n, baseline=baseline, max_tokens=6, sample_autocast=sample_autocast)
+        torch.manual_seed(0)
+        plain = rl(model, B)
+        torch.manual_seed(0)
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total, count = rl(model, B)
+        assert [name for name, _, _ in seen] == (["sample"] if baseline == "mean" else ["sample", "greedy"])
+        assert all(on == sample_autocast for _, on, _ in seen)
+        if not sample_autocast:
+            assert all(dtype == torch.float32 for _, _, dtype in seen)  # the memory handed over as fp32
+        assert torch.isfinite(total) and count > 0
+        total.backward()
+        torch.manual_seed(0)
+        again = rl(model, B)
+        assert torch.equal(plain[0], again[0]) and torch.equal(plain[1], again[1])  # no autocast: unchanged
