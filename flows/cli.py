@@ -682,6 +682,10 @@ def build_parser() -> argparse.ArgumentParser:
     from flows.platform_cli import add_commands
 
     add_commands(sub, _config_args, _pipeline_args)
+
+    from flows.import_cli import add_import_command
+
+    add_import_command(sub, _config_args)
     return p
 
 
@@ -712,4 +716,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the importable module's main, so that `python -m flows.cli` and the `capflow` script share one set of
+    # classes (CLIError raised by command modules that import flows.cli)
+    from flows.cli import main as _main
+
+    sys.exit(_main())
