@@ -453,3 +453,11 @@ def test_evaluate_bad_results_exit_2(tmp_path: Path, external: Path, capsys: pyt
     bad.write_text('[{"image_id": 1, "caption": "x"}')
     rc = main(["evaluate", "--results", str(bad), "--references", str(external / "coco_eval" / "fakecap_refs.json")])
     assert rc == 2 and "r.json" in capsys.readouterr().err
+
+
+def test_import_checkpoint_is_registered_and_names_a_missing_file(capsys, tmp_path: Path) -> None:
+    rc, out, err = run(capsys, "import-checkpoint", "--from", "aic", str(tmp_path / "none.pth"), "--vocab",
+                       str(tmp_path / "vocab.json"), "--out", str(tmp_path / "model"))
+    assert rc == 2 and out == ""
+    assert "none.pth" in err and "does not exist" in err
+    assert not (tmp_path / "model").exists()
