@@ -91,8 +91,9 @@ def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser]
                    help="the released code base: " + ", ".join(FAMILIES))
     p.add_argument("ckpt", metavar="CKPT", help="the released checkpoint (a state dict of tensors)")
     p.add_argument("--vocab", required=True, metavar="VOCAB",
-                   help="the released vocabulary: a JSON list of words (ids 1..V) or an ix_to_word mapping "
-                   "(cocotalk.json)")
+                   help="the released vocabulary: aic/satic/zodiac a JSON list of words (ids 1..V) or an "
+                   "ix_to_word mapping (cocotalk.json); expansionnet its caption_idx2word_list (JSON list, ids "
+                   "0..V-1) or caption_word2idx_dict")
     p.add_argument("--out", required=True, metavar="MODEL_DIR", help="the model folder to write")
     p.add_argument("--heads", type=int, default=8, help="attention heads (not stored in the weights; default 8)")
     p.add_argument("--group-size", type=int, help="satic: the group size K (not stored in the weights)")

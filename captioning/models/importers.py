@@ -21,10 +21,32 @@ the released model cannot emit, get weight 0 and bias -1e9, so every other log-p
 word ``UNK`` becomes ``<unk>``.
 
 Files are read with ``torch.load(weights_only=True)`` only: a checkpoint that needs arbitrary unpickling is
-refused. Unknown or missing keys, and shapes that disagree, are errors naming them. Not supported (their
-state-dict layout is not established here): ORT/ACORT (jiahuei/sparse-image-captioning), ExpansionNet
-(jchenghu/ExpansionNet) and LW-Transformer (luogen1996/LWTransformer, an M2-shaped skeleton capflow does not
-build).
+refused. Unknown or missing keys, and shapes that disagree, are errors naming them.
+
+``expansionnet``: jchenghu/ExpansionNet's ``ExpansionNet`` (``models/Expansion_Net.py``; its attention and
+feed-forward modules, ``models/layers/transformer_layers.py``, name their linears ``Wq``/``Wk``/``Wv``/
+``out_linear`` and ``linear_1``/``linear_2`` - the same author's ExpansionNet_v2 ``models/layers.py`` shows the
+same modules). Its checkpoint is ``{"model_state_dict": ...}`` (``utils/saving_utils.save_last_checkpoint``)::
+
+    input_linear.*                                         -> input_proj
+    encoders.i.stc_exp.{query,bias}_exp_vectors.weight     -> encoder.layers.i.mix.{queries,biases}
+    encoders.i.stc_exp.{key_embed,class_a_embed,class_b_embed,selector_embed}.*
+                                                           -> ...mix.{key,val_a,val_b,select}
+    decoders.i.dyn_exp.{cond_embed,key_linear,...}.*       -> decoder.layers.i.self_mix.{cond,key,...}
+    decoders.i.mha.{Wq,Wk,Wv,out_linear}.*                 -> decoder.layers.i.cross.{q,k_proj,v,o}
+    {encoders,decoders}.i.ff.linear_{1,2}.*                -> ...ffn.w{1,2}
+    {encoders,decoders}.i.norm_j.*                         -> ...sub{j}.norm
+    {enc,dec}_reduce_group.*, {enc,dec}_reduce_norm.*      -> {encoder,decoder}.w_r, {encoder,decoder}.norm
+    out_embedder.embed.weight, pos_encoder.weight          -> embed (ids remapped), pos (max_len = its rows)
+    vocab_linear.*                                         -> generator (ids remapped)
+
+Its vocabulary (``caption_idx2word_list`` of ``data/mscoco2014_dataset_manager.py``: the sorted words with
+``PAD``, ``SOS``, ``EOS`` and ``UNK`` among them, ids 0..V-1) holds every special, so the rows are a pure
+permutation: ``PAD``/``SOS``/``EOS`` -> ``<pad>``/``<bos>``/``<eos>``, ``UNK`` -> ``<unk>``, the words in id
+order between them; every log-prob is unchanged.
+
+Not supported (their state-dict layout is not established here): ORT/ACORT (jiahuei/sparse-image-captioning)
+and LW-Transformer (luogen1996/LWTransformer, an M2-shaped skeleton capflow does not build).
 """
 
 from __future__ import annotations
@@ -39,7 +61,9 @@ from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.layers import sinusoid_table
 from captioning.models.registry import preset, released
 
-FAMILIES = ("aic", "satic", "zodiac")
+ANNOTATED = ("aic", "satic", "zodiac")
+FAMILIES = (*ANNOTATED, "expansionnet")
+EXPANSIONNET_SPECIALS = ("PAD", "SOS", "EOS", "UNK")  # -> <pad>, <bos>, <eos>, <unk>
 _NEVER = -1e9  # generator bias of classes the released model cannot emit
 
 
@@ -81,8 +105,8 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
 
     ``words``: the released ``ix_to_word`` in id order (word ids 1..V). Returns the words capflow's
     vocabulary holds (``UNK`` removed: it becomes ``<unk>``)."""
-    if family not in FAMILIES:
-        raise ImportCheckpointError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    if family not in ANNOTATED:
+        raise ImportCheckpointError(f"unknown family {family!r}: one of {', '.join(ANNOTATED)}")
     if family == "satic" and not group_size:
         raise ImportCheckpointError("a SATIC checkpoint needs its group size K (not stored in the weights)")
     sd = dict(sd)
@@ -171,9 +195,95 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
     return cfg, out, kept
 
 
-def build_imported(cfg: ArchConfig, state: dict[str, torch.Tensor], max_len: int = 64) -> Captioner:
-    """A capflow model holding the converted weights (shapes checked by ``load_state_dict``)."""
-    model = Captioner(cfg.replace(max_len=max_len))
+def convert_expansionnet(sd: dict[str, torch.Tensor], words: list[str], *, heads: int = 8
+                         ) -> tuple[ArchConfig, dict[str, torch.Tensor], list[str]]:
+    """Released ExpansionNet state dict -> (capflow config, capflow state dict, capflow word list).
+
+    ``words``: the released ``caption_idx2word_list`` (id order 0..V-1, ``PAD``/``SOS``/``EOS``/``UNK`` among
+    them). The sizes (d, layers, expansion counts, max_len) come from the shapes; ``heads`` is not stored."""
+    sd = dict(sd)
+    need = ["input_linear.weight", "out_embedder.embed.weight", "vocab_linear.weight", "pos_encoder.weight",
+            "encoders.0.stc_exp.query_exp_vectors.weight", "decoders.0.dyn_exp.query_exp_vectors.weight",
+            "encoders.0.ff.linear_1.weight"]
+    missing = [k for k in need if k not in sd]
+    if missing:
+        raise ImportCheckpointError(f"not a released expansionnet state dict: missing {', '.join(missing)}")
+    absent = [w for w in EXPANSIONNET_SPECIALS if w not in words]
+    if absent:
+        raise ImportCheckpointError(f"the vocabulary lacks the released special words {', '.join(absent)}")
+    if len(set(words)) != len(words):
+        raise ImportCheckpointError("the vocabulary has duplicate words")
+    n_out = sd["vocab_linear.weight"].shape[0]
+    if n_out != len(words) or sd["out_embedder.embed.weight"].shape[0] != len(words):
+        raise ImportCheckpointError(f"the checkpoint has {n_out} output classes, the vocabulary {len(words)} words "
+                                    "(specials included)")
+    d, d_in = sd["input_linear.weight"].shape
+    if d % heads:
+        raise ImportCheckpointError(f"d_model {d} is not a multiple of --heads {heads}")
+    n_enc, n_dec = _count(sd, "encoders."), _count(sd, "decoders.")
+    cfg = released(preset("expansionnet")).replace(
+        d_model=d, d_in=d_in, heads=heads, d_ff=sd["encoders.0.ff.linear_1.weight"].shape[0], enc_layers=n_enc,
+        dec_layers=n_dec, vocab_size=len(words), bos=1, eos=2, max_len=sd["pos_encoder.weight"].shape[0],
+        expansion_enc=sd["encoders.0.stc_exp.query_exp_vectors.weight"].shape[0],
+        expansion_dec=sd["decoders.0.dyn_exp.query_exp_vectors.weight"].shape[0])
+
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+
+    def take(src: str, dst: str, params=("weight", "bias")) -> None:
+        for p in params:
+            key = f"{src}.{p}" if p else src
+            if key not in sd:
+                raise ImportCheckpointError(f"missing key {key}")
+            out[f"{dst}.{p}" if p else dst] = sd[key]
+            used.add(key)
+
+    take("input_linear", "input_proj")
+    expansion = {"key_embed": "key", "key_linear": "key", "cond_embed": "cond", "class_a_embed": "val_a",
+                 "class_b_embed": "val_b", "selector_embed": "select"}
+    for stack, src_stack, block, dst_block in (("encoder", "encoders", "stc_exp", "mix"),
+                                               ("decoder", "decoders", "dyn_exp", "self_mix")):
+        for i in range(n_enc if stack == "encoder" else n_dec):
+            src, dst = f"{src_stack}.{i}.", f"{stack}.layers.{i}."
+            take(f"{src}{block}.query_exp_vectors.weight", f"{dst}{dst_block}.queries", params=("",))
+            take(f"{src}{block}.bias_exp_vectors.weight", f"{dst}{dst_block}.biases", params=("",))
+            names = ("key_embed", "class_a_embed", "class_b_embed", "selector_embed") if stack == "encoder" else \
+                ("cond_embed", "key_linear", "class_a_embed", "class_b_embed", "selector_embed")
+            for name in names:
+                take(f"{src}{block}.{name}", f"{dst}{dst_block}.{expansion[name]}")
+            if stack == "decoder":
+                for name, mine in (("Wq", "q"), ("Wk", "k_proj"), ("Wv", "v"), ("out_linear", "o")):
+                    take(f"{src}mha.{name}", f"{dst}cross.{mine}")
+            take(f"{src}ff.linear_1", f"{dst}ffn.w1")
+            take(f"{src}ff.linear_2", f"{dst}ffn.w2")
+            for j in range(1, (2 if stack == "encoder" else 3) + 1):
+                take(f"{src}norm_{j}", f"{dst}sub{j}.norm")
+        take(f"{stack[:3]}_reduce_group", f"{stack}.w_r")
+        take(f"{stack[:3]}_reduce_norm", f"{stack}.norm")
+    take("pos_encoder", "pos", params=("weight",))
+
+    # ids: capflow id -> released row (a permutation: the released vocabulary holds every special)
+    kept = [w for w in words if w not in EXPANSIONNET_SPECIALS]
+    index = {w: i for i, w in enumerate(words)}
+    order = [index["PAD"], index["SOS"], index["EOS"], *(index[w] for w in kept), index["UNK"]]
+    perm = torch.tensor(order)
+    for key in ("out_embedder.embed.weight", "vocab_linear.weight", "vocab_linear.bias"):
+        if key not in sd:
+            raise ImportCheckpointError(f"missing key {key}")
+        used.add(key)
+    out["embed.weight"] = sd["out_embedder.embed.weight"][perm]
+    out["generator.weight"] = sd["vocab_linear.weight"][perm]
+    out["generator.bias"] = sd["vocab_linear.bias"][perm]
+    unknown = sorted(set(sd) - used)
+    if unknown:
+        raise ImportCheckpointError(f"unknown keys in the released expansionnet state dict: {', '.join(unknown)}")
+    return cfg, out, kept
+
+
+def build_imported(cfg: ArchConfig, state: dict[str, torch.Tensor], max_len: int | None = None) -> Captioner:
+    """A capflow model holding the converted weights (shapes checked by ``load_state_dict``); ``max_len``
+    overrides the config's (learned position tables fix it)."""
+    model = Captioner(cfg if max_len is None else cfg.replace(max_len=max_len))
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     if missing:
@@ -206,12 +316,42 @@ def read_words(path: str | Path) -> list[str]:
     raise ImportCheckpointError(f"{path}: expected a JSON list of words or an ix_to_word mapping")
 
 
+def read_id_words(path: str | Path) -> list[str]:
+    """ExpansionNet's vocabulary in id order 0..V-1: a JSON list (``caption_idx2word_list``), a word -> id
+    object (``caption_word2idx_dict``), or an object holding either under ``caption_idx2word_list``,
+    ``idx2word_list``, ``caption_word2idx_dict`` or ``word2idx_dict``."""
+    from captioning.jsonio import read_json
+
+    obj: Any = read_json(path, "vocabulary", ImportCheckpointError, missing=ImportCheckpointError)
+    if isinstance(obj, dict):
+        for key in ("caption_idx2word_list", "idx2word_list", "caption_word2idx_dict", "word2idx_dict"):
+            if key in obj:
+                obj = obj[key]
+                break
+    if isinstance(obj, dict):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in obj.values()):
+            raise ImportCheckpointError(f"{path}: a word -> id mapping needs integer ids")
+        if sorted(obj.values()) != list(range(len(obj))):
+            raise ImportCheckpointError(f"{path}: word ids must be 0..V-1")
+        return sorted(obj, key=obj.__getitem__)
+    if isinstance(obj, list) and all(isinstance(w, str) for w in obj):
+        return list(obj)
+    raise ImportCheckpointError(f"{path}: expected a JSON list of words (id order) or a word -> id mapping")
+
+
 def import_checkpoint(family: str, path: str | Path, vocab_path: str | Path, *, heads: int = 8,
                       group_size: int | None = None):
     """Read a released checkpoint and its vocabulary -> (capflow model, capflow Vocabulary)."""
     from captioning.data.text import Vocabulary
 
-    words = read_words(vocab_path)
-    cfg, state, kept = convert_annotated(load_state_dict(path), family, words, heads=heads, group_size=group_size)
+    if family not in FAMILIES:
+        raise ImportCheckpointError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    if family == "expansionnet":
+        words = read_id_words(vocab_path)
+        cfg, state, kept = convert_expansionnet(load_state_dict(path), words, heads=heads)
+    else:
+        words = read_words(vocab_path)
+        cfg, state, kept = convert_annotated(load_state_dict(path), family, words, heads=heads,
+                                             group_size=group_size)
     model = build_imported(cfg, state)
     return model, Vocabulary(words=kept, counts=[0] * len(kept))
