@@ -2,7 +2,9 @@
 Prefect runs tasks in worker threads).
 
 Where runs go: ``MLFLOW_TRACKING_URI`` when set, else ``tracking.tracking_uri``, else the embedded default - a
-SQLite file ``<workdir>/mlflow.db`` with artifacts under ``<workdir>/mlartifacts`` (no server needed; ``mlflow ui
+SQLite file ``<workdir>/mlflow.db`` with artifacts beside it, ``<workdir>/mlartifacts`` (a SQLite database shared
+by several workdirs keeps its artifacts beside itself too, never in the workdir that happened to create the
+experiment; no server needed; ``mlflow ui
 --backend-store-uri sqlite:///<workdir>/mlflow.db`` shows them). Transient tracking errors are retried with
 backoff. Parameters are the flattened config; nothing that looks like a credential is ever logged: params, tags,
 text artifacts (``config.yaml``) and warnings all go through :mod:`captioning.redact` (credentials belong in the
@@ -177,6 +179,13 @@ def tracking_uri(cfg: PipelineConfig) -> str:
     return f"sqlite:///{(cfg.workdir / 'mlflow.db').resolve()}"
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI (``sqlite:////abs`` or ``sqlite:///rel``), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+
+
 def retry(fn: Callable[[], T], what: str, attempts: int = 4, base_delay: float = 0.5) -> T:
     """Call ``fn``; on connection-type failures retry with exponential backoff, then raise with context."""
     for i in range(attempts):
@@ -225,8 +234,9 @@ class Tracker:
         self.cfg = cfg
         self.uri = tracking_uri(cfg)
         self.display_uri = redact(self.uri)  # what may be printed, logged or stored
-        if self.uri.startswith("sqlite:///"):
-            cfg.workdir.mkdir(parents=True, exist_ok=True)
+        db = sqlite_path(self.uri)
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)
         limit_http_retries()
         preflight(self.uri)
         self.client = MlflowClient(self.uri)
@@ -234,8 +244,8 @@ class Tracker:
         exp = retry(lambda: self.client.get_experiment_by_name(name), "get experiment")
         if exp is None:
             loc = None
-            if self.uri.startswith("sqlite:///"):
-                loc = (cfg.workdir / "mlartifacts").resolve().as_uri()
+            if db is not None:  # beside the database, not in the workdir of whichever run created the experiment
+                loc = (db.parent / "mlartifacts").resolve().as_uri()
             # the kind tag makes the MLflow UI open the experiment as training runs, not as a GenAI app
             self.experiment_id = retry(lambda: self.client.create_experiment(
                 name, artifact_location=loc, tags={"mlflow.experimentKind": "custom_model_development"}),

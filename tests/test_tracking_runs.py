@@ -297,3 +297,28 @@ def test_prefect_database_locked_errors_reach_the_terminal_as_one_warning_line(c
     err = capfd.readouterr().err
     assert "database was busy (database is locked)" in err and "Service failed" not in err
     assert err.count("Traceback") == 1 and "something else broke" in err  # other errors keep their traceback
+
+
+def test_shared_database_keeps_artifacts_beside_it_not_in_the_first_workdir(tmp_path):
+    """Two workdirs share one tracking database: deleting the workdir that created the experiment must not break
+    the other's artifacts (they live beside the database)."""
+    import shutil
+
+    from captioning.config import load_config
+    from tasks.tracking import Tracker
+
+    db = tmp_path / "shared" / "mlflow.db"
+    sets = [f"tracking.tracking_uri=sqlite:///{db}", "tracking.experiment=shared-exp"]
+    first = Tracker(load_config("tiny", None, [*sets, f"run.workdir={tmp_path / 'one'}"]))
+    exp = first.client.get_experiment(first.experiment_id)
+    assert exp.artifact_location == (db.parent / "mlartifacts").resolve().as_uri()
+    with first.run("a") as rid:
+        first.client.log_text(rid, "one", "note.txt")
+    shutil.rmtree(tmp_path / "one", ignore_errors=True)
+    second = Tracker(load_config("tiny", None, [*sets, f"run.workdir={tmp_path / 'two'}"]))
+    assert second.experiment_id == first.experiment_id
+    with second.run("b") as rid:
+        second.client.log_text(rid, "two", "note.txt")
+    path = second.client.download_artifacts(rid, "note.txt", str(tmp_path / "dl"))
+    assert Path(path).read_text() == "two"
+    assert not (tmp_path / "two" / "mlartifacts").exists()
