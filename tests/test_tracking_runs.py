@@ -274,27 +274,34 @@ def test_prefect_server_that_does_not_start_in_time_names_the_cause_and_the_way_
     assert not (work / "stages").exists()
 
 
-def test_prefect_database_locked_errors_reach_the_terminal_as_one_warning_line(capfd):
-    import logging
-    import sqlite3
+_LOCKED_SCRIPT = """
+import logging, sqlite3
+import prefect  # configures Prefect's logging (its console handler)
+import sqlalchemy.exc
+from flows.pipeline import quiet_database_locked
 
-    import prefect  # noqa: F401 - configures Prefect's logging (its console handler)
-    import sqlalchemy.exc
+quiet_database_locked()
+log = logging.getLogger("prefect.events.clients")
+locked = sqlalchemy.exc.OperationalError("UPDATE flow_run", {}, sqlite3.OperationalError("database is locked"))
+try:
+    raise RuntimeError("request failed") from locked
+except RuntimeError:
+    log.error("Service failed to process item", exc_info=True)
+try:
+    raise ValueError("something else broke")
+except ValueError:
+    log.error("another failure", exc_info=True)
+"""
 
-    from flows.pipeline import quiet_database_locked
 
-    quiet_database_locked()
-    log = logging.getLogger("prefect.events.clients")
-    locked = sqlalchemy.exc.OperationalError("UPDATE flow_run", {}, sqlite3.OperationalError("database is locked"))
-    try:
-        raise RuntimeError("request failed") from locked
-    except RuntimeError:
-        log.error("Service failed to process item", exc_info=True)
-    try:
-        raise ValueError("something else broke")
-    except ValueError:
-        log.error("another failure", exc_info=True)
-    err = capfd.readouterr().err
+def test_prefect_database_locked_errors_reach_the_terminal_as_one_warning_line(tmp_path):
+    # a fresh interpreter: Prefect's console handler binds the process's stderr when logging is first set up,
+    # which inside a long pytest session is whatever capture was active then
+    env = _prefect_env(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _LOCKED_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    err = out.stderr
     assert "database was busy (database is locked)" in err and "Service failed" not in err
     assert err.count("Traceback") == 1 and "something else broke" in err  # other errors keep their traceback
 
