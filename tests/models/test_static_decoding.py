@@ -16,12 +16,7 @@ R, D_IN = 5, 2048
 TOL = {"atol": 1e-6, "rtol": 1e-6}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: one torch thread per module
 
 
 def small_cfg(name: str):
