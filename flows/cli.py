@@ -422,7 +422,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.name == "cider":
         from captioning.bench.cider import run as run_cider
 
-        ext = Path(args.external) if args.external else Path(__file__).resolve().parents[2] / "shared" / "external"
+        ext_dir = args.external or os.environ.get("CAPFLOW_EXTERNAL")
+        if not ext_dir:
+            raise CLIError("bench cider needs the external COCO material: --external DIR or CAPFLOW_EXTERNAL")
+        ext = Path(ext_dir)
         result = run_cider(ext / "coco_eval" / "karpathy_test_refs.json",
                            ext / "model_outputs" / "acort_karpathy_test.json",
                            batch_images=args.batch_size or 50, samples=5, repeats=args.repeats or 3,
@@ -652,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs; "
                    "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline; "
                    "train: XE/SCST images/s of every family at paper size, fast path vs fp32 eager")
-    b.add_argument("--external", help="cider: folder of the external COCO material (default ../shared/external)")
+    b.add_argument("--external", help="cider: folder of the external COCO material (default: $CAPFLOW_EXTERNAL)")
     b.add_argument("--device", default="cpu", help="decode, train: torch device (cpu, cuda); extract: cuda runs "
                    "the GPU benchmark (coco settings, image files -> Zarr, vs the reference path)")
     b.add_argument("--images-dir", help="extract --device cuda: real images to replicate (default: synthetic)")
