@@ -191,12 +191,9 @@ def _outside_inference(d: Decoded) -> Decoded:
 
 
 # ---------------------------------------------------------------------- greedy / sampling (independent rows)
-def _rowwise(model, memory, max_len: int, use_cache: bool,
-             choose: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Decode every memory row independently; ``choose(logp (A, K, V)) -> tokens (A, K)``.
-
-    Finished rows leave the batch (cache, prefix and memory keep only the open rows), and decoding stops
-    as soon as every row is finished. Returns (tokens (N, L), token log-probs (N, L), lengths (N,))."""
+def _row_outputs(model, memory, max_len: int):
+    """What row-wise decoders share: (max_len, steps, K, eos, N, device) and the empty outputs (tokens (N, L)
+    filled with PAD, token log-probs (N, L), lengths (N,)), L = steps * K."""
     max_len, steps = _steps(model, max_len)
     k, eos = int(model.group_size), int(model.eos)
     n = memory.states.shape[0]
@@ -204,6 +201,16 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
     toks = torch.full((n, steps * k), PAD, dtype=torch.long, device=dev)
     tlp = torch.zeros(n, steps * k, dtype=torch.float32, device=dev)
     lengths = torch.zeros(n, dtype=torch.long, device=dev)
+    return max_len, steps, k, eos, n, dev, toks, tlp, lengths
+
+
+def _rowwise(model, memory, max_len: int, use_cache: bool,
+             choose: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Decode every memory row independently; ``choose(logp (A, K, V)) -> tokens (A, K)``.
+
+    Finished rows leave the batch (cache, prefix and memory keep only the open rows), and decoding stops
+    as soon as every row is finished. Returns (tokens (N, L), token log-probs (N, L), lengths (N,))."""
+    max_len, steps, k, eos, n, dev, toks, tlp, lengths = _row_outputs(model, memory, max_len)
     active = torch.arange(n, device=dev)  # original row of each open row
     offs = torch.arange(k, device=dev)
     stepper = _Stepper(model, memory, use_cache)
@@ -235,13 +242,7 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
 def _greedy_static(model, memory, max_len: int, graphs: bool) -> tuple[torch.Tensor, ...]:
     """Greedy on the static engine: every row stays in the batch (finished rows' outputs are ignored) and the
     host checks "all finished" every CHECK_EVERY steps. Same results as ``_rowwise`` with arg-max."""
-    max_len, steps = _steps(model, max_len)
-    k, eos = int(model.group_size), int(model.eos)
-    n = memory.states.shape[0]
-    dev = memory.states.device
-    toks = torch.full((n, steps * k), PAD, dtype=torch.long, device=dev)
-    tlp = torch.zeros(n, steps * k, dtype=torch.float32, device=dev)
-    lengths = torch.zeros(n, dtype=torch.long, device=dev)
+    max_len, steps, k, eos, n, dev, toks, tlp, lengths = _row_outputs(model, memory, max_len)
     done = torch.zeros(n, dtype=torch.bool, device=dev)
     offs = torch.arange(k, device=dev)
     stepper = _StaticStepper(model, memory, steps * k, graphs)

@@ -119,6 +119,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None =
                 mp.start_processes(_run_rank, args=(spec,), nprocs=nproc, join=True, start_method="spawn")
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
                 _reraise(Path(tmp), e)
+            # pickle is safe here: the folder is this call's own mkdtemp (mode 0700) and only the ranks spawned
+            # above, this process's children, write into it; nothing from another user or machine is read
             with open(Path(tmp) / "result.pkl", "rb") as f:
                 return pickle.load(f)
     finally:
@@ -187,6 +189,7 @@ def _record_failure(tmp: Path, rank: int, exc: BaseException) -> None:
 
 
 def _reraise(tmp: Path, spawn_error: Exception) -> None:
+    # the error records come from this run's own ranks, in its private temporary folder (see launch)
     records = []
     for p in tmp.glob("error-*.pkl"):
         try:
