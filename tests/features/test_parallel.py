@@ -255,7 +255,10 @@ def test_extract_resume_reextracts_damaged_chunks_naming_them(planted, tmp_path,
     assert res["reextracted"][1]["files"] == [str(cut)]
     rows = FeatureStore.open(uri).chunk_range(1)[1] - FeatureStore.open(uri).chunk_range(1)[0]
     assert res["extracted"] == 2 * rows and res["skipped_chunks"] == n_chunks - 2
-    assert res["verified"]["chunks"] == n_chunks - 1  # compared with their checksums: all but the unreadable one
+    # every readable chunk was compared with its checksum; whether the half-cut file still decodes (into wrong
+    # values, then caught by its checksum) or not (caught as unreadable) depends on where the cut lands in the
+    # compressed blocks, which differed between runs: both ways it is named and re-extracted (asserted above)
+    assert res["verified"]["chunks"] in (n_chunks - 1, n_chunks)
     for a, b in zip(before, _arrays(uri), strict=True):
         assert np.array_equal(a, b)
     assert FeatureStore.open(uri).verify().ok
