@@ -151,7 +151,8 @@ class FeaturesConfig(Section):
         description="detector: extract with detectron2; synthetic-informative: write the synthetic dataset's "
         "object attributes as region features (training checks independent of the detector)",
     )
-    store: str | None = Field(None, description="Feature store URI (path or s3://); unset = <workdir>/features/")
+    store: str | None = Field(None, description="Folder (path or s3://) holding the feature stores, each named by "
+                               "what determines its content; unset = <workdir>/features/")
     min_boxes: int = Field(10, ge=1, description="Fewest boxes kept per image")
     max_boxes: int = Field(100, ge=1, description="Most boxes kept per image (= B_max of the store)")
     feature_dim: int = Field(2048, ge=1, description="Region feature width")
@@ -205,6 +206,8 @@ class SCSTConfig(Section):
 class TeacherConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The AIC teacher's architecture")
     xe: XEConfig = Field(default_factory=XEConfig, description="Teacher XE training")
+    nproc: int = Field(1, ge=1, description="Data-parallel training processes for the teacher (torch DDP: gloo on "
+                       "CPU, NCCL on GPUs, one GPU per process)")
 
 
 class StudentsConfig(Section):
@@ -213,6 +216,7 @@ class StudentsConfig(Section):
         description="Student families trained from the teacher (one run each)",
     )
     size: str = Field("base", description="Size variant of each family's registry preset")
+    nproc: int = Field(1, ge=1, description="Data-parallel training processes per student (XE and SCST; torch DDP)")
     seqkd_beam: int = Field(5, ge=1, description="Beam size of the teacher when generating SeqKD captions")
     seqkd_for: list[str] = Field(
         default_factory=lambda: ["satic"], description="Students trained on the teacher's SeqKD captions"
@@ -278,7 +282,10 @@ class PipelineConfig(Section):
         return Path(self.run.workdir)
 
     def feature_store_uri(self) -> str:
-        return self.features.store or str(self.workdir / "features")
+        """The folder holding feature stores (``features.store``, else ``<workdir>/features``)."""
+        from captioning.workdir import Workdir
+
+        return self.features.store or str(Workdir.of(self).default_features())
 
     def digest(self, section: str | None = None) -> str:
         """Stable sha256 of the whole config or of one dotted section (cache keys, lineage tags)."""

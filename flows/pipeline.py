@@ -30,7 +30,8 @@ from captioning.config import PipelineConfig, load_config
 from tasks.cache import StageCache, code_version
 from tasks.common import RunContext
 from tasks.data import extract_task, ingest_task, vocab_task
-from tasks.report import leaderboard_task, promote_task
+from tasks.refs import StudentFailure, StudentResult
+from tasks.report import leaderboard_task, markdown, promote_task
 from tasks.tracking import Tracker, config_yaml
 from tasks.training import seqkd_task, student_task, teacher_task
 
@@ -91,12 +92,8 @@ def what_changed(summary: dict[str, Any]) -> str:
     ch = summary["champion"]
     lines.append(f"- champion: {'changed to ' + str(ch['student']) if ch['changed'] else 'unchanged'}"
                  f" (version {ch['version']}; {ch['reason']})")
-    lines += ["", "| student | CIDEr | BLEU-4 | params | latency ms |", "|---|---|---|---|---|"]
-    for r in summary["leaderboard"]:
-        m = r["metrics"]
-        lines.append(f"| {r['student']} | {m.get('CIDEr', float('nan')):.3f} | {m.get('Bleu_4', float('nan')):.3f} "
-                     f"| {r['params']:,} | {r['latency_ms']:.1f} |")
-    lines += ["", f"MLflow run `{summary['mlflow_run_id']}` in {summary['tracking_uri']}"]
+    lines += ["", markdown(summary["leaderboard"], summary["failed"]),
+              f"MLflow run `{summary['mlflow_run_id']}` in {summary['tracking_uri']}"]
     return "\n".join(lines)
 
 
@@ -115,7 +112,7 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
         labels = vocab_task(rc, data, feats)
         teacher = teacher_task(rc, data, feats, labels)
         kd = seqkd_task(rc, data, feats, labels, teacher)
-        results: list[dict[str, Any]] = []
+        results: list[StudentResult | StudentFailure] = []
         names = list(cfg.students.names)
         wave = cfg.run.parallel_students
         for i in range(0, len(names), wave):
@@ -123,23 +120,19 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
                        for n in names[i: i + wave]]
             results += [f.result() for f in futures]
         board = leaderboard_task(rc, results)
-        promo = promote_task(rc, board, data["digest"])
+        promo = promote_task(rc, board, data.digest)
         tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
-    failed = board["failed"]
-    summary = {
+    return {
         "mlflow_run_id": parent,
         "tracking_uri": tracker.display_uri,  # credentials (from MLFLOW_TRACKING_URI) masked
         "experiment_id": tracker.experiment_id,
-        "leaderboard": [{"student": r["student"], "preset": r["preset"], "metrics": r["metrics"],
-                         "params": r["params"], "latency_ms": r["latency_ms"], "model_version": r["model_version"]}
-                        for r in board["leaderboard"]],
-        "failed": failed,
-        "champion": {"version": promo.get("champion_version"), "changed": promo.get("changed"),
-                     "reason": promo.get("reason"), "student": promo.get("candidate") if promo.get("changed")
-                     else None},
+        "leaderboard": [{k: r[k] for k in ("student", "preset", "metrics", "params", "latency_ms", "unique_fraction",
+                                           "model_version")} for r in board["leaderboard"]],
+        "failed": board["failed"],
+        "champion": {"version": promo.champion_version, "changed": promo.changed, "reason": promo.reason,
+                     "student": promo.candidate if promo.changed else None},
         "stages": rc.stages,
     }
-    return summary
 
 
 class SQLiteLockedFilter(logging.Filter):

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from captioning.data.stores import CorruptDataError
+from captioning.workdir import Workdir
+from tasks.refs import RecordMismatch, Ref
+
+log = logging.getLogger("capflow.pipeline")
+R = TypeVar("R", bound=Ref)
+#: the shape of the stage records (tasks/refs.py); a change re-keys every stage instead of misreading old records
+RECORD_VERSION = 2
 
 #: the library code each stage's output depends on (a change there invalidates the stage and what follows)
 STAGE_CODE: dict[str, tuple[str, ...]] = {
@@ -64,33 +72,61 @@ def read_record(path: str | Path) -> dict[str, Any]:
 
 def stage_key(stage: str, **parts: Any) -> str:
     code = code_version(*STAGE_CODE.get(stage, TRAINING_CODE))
-    blob = json.dumps({"stage": stage, "code": code, **parts}, sort_keys=True, default=str)
+    blob = json.dumps({"stage": stage, "code": code, "record": RECORD_VERSION, **parts}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class StageCache:
+    """Stage records under ``<workdir>/stages/``: the typed result (:mod:`tasks.refs`) of each finished stage."""
+
     def __init__(self, workdir: str | Path):
-        self.root = Path(workdir) / "stages"
+        self.workdir_layout = Workdir(workdir)
+        self.root = self.workdir_layout.stages()
 
     def path(self, stage: str, key: str) -> Path:
-        return self.root / f"{stage}-{key[:20]}.json"
+        return self.workdir_layout.record(stage, key)
 
-    def get(self, stage: str, key: str) -> dict[str, Any] | None:
+    def get(self, stage: str, key: str, kind: type[R]) -> R | None:
+        """The recorded result of ``stage`` under ``key``, or None (never run, another key, another shape)."""
         p = self.path(stage, key)
         if not p.exists():
             return None
         doc = read_record(p)
-        return doc["result"] if doc["key"] == key else None
+        if doc["key"] != key:
+            return None
+        try:
+            return kind.from_record(doc["result"])
+        except RecordMismatch as e:
+            log.warning("%s: %s; the stage runs again", p, e)
+            return None
 
-    def put(self, stage: str, key: str, result: dict[str, Any]) -> None:
+    def put(self, stage: str, key: str, result: Ref) -> None:
         p = self.path(stage, key)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"stage": stage, "key": key, "result": result}, default=str), encoding="utf-8")
+        tmp.write_text(json.dumps({"stage": stage, "key": key, "result": result.to_record()}, default=str),
+                       encoding="utf-8")
         os.replace(tmp, p)
+
+    def latest(self, stage: str, kind: type[R]) -> R | None:
+        """The most recently written readable record of ``stage`` (what single-stage commands fall back to);
+        ``stage`` may end in ``*`` (``student-*``: any student)."""
+        if not self.root.is_dir():
+            return None
+        prefix = stage[:-1] if stage.endswith("*") else None
+        pattern = f"{prefix}*.json" if prefix is not None else f"{stage}-*.json"
+        for p in sorted(self.root.glob(pattern), key=lambda q: q.stat().st_mtime, reverse=True):
+            try:
+                doc = read_record(p)
+                name = str(doc.get("stage", ""))
+                if name == stage or (prefix is not None and name.startswith(prefix)):
+                    return kind.from_record(doc["result"])
+            except (StageRecordError, RecordMismatch):
+                continue
+        return None
 
     def workdir(self, stage: str, key: str) -> Path:
         """A private folder for the stage's outputs (checkpoints), stable across re-runs with the same key."""
-        d = self.root.parent / "runs" / f"{stage}-{key[:16]}"
+        d = self.workdir_layout.stage_dir(stage, key)
         d.mkdir(parents=True, exist_ok=True)
         return d

@@ -1,7 +1,14 @@
-"""Pipeline tasks for the data stages: ingest, extract (region features), vocab (vocabulary + label store)."""
+"""The data stages as jobs - ingest, extract (or import) region features, vocab - and their Prefect tasks.
+
+A job takes a :class:`RunContext` and the typed results of the stages before it and returns its own
+(:mod:`tasks.refs`). The pipeline's tasks and the single-stage commands (``capflow ingest|extract|vocab|
+import-features``) call the same jobs, so both write the same workdir layout and stage records.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -10,28 +17,39 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from captioning.data.karpathy import Dataset
-from captioning.data.prepare import build_labels, ingest
+from captioning.data.prepare import ingest as read_dataset
+from captioning.data.prepare import vocab_and_labels
 from captioning.data.stores import FeatureStore, LabelStore
-from captioning.data.text import build_vocabulary
+from tasks.cache import stage_key
 from tasks.common import RunContext, log
+from tasks.refs import DatasetRef, FeaturesRef, LabelsRef
 from tasks.verify import features_intact
 
 RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
 
 
-@task(name="ingest", **RETRY)
-def ingest_task(rc: RunContext) -> dict[str, Any]:
+class MissingStageError(RuntimeError):
+    """A single-stage command needs the output of a stage that has not run for this workdir."""
+
+
+def ingest(rc: RunContext) -> DatasetRef:
     """Read + validate the dataset (always: the digest says whether anything downstream must change)."""
     cfg = rc.cfg
     t0 = time.perf_counter()
-    ds = ingest(cfg, progress=rc.progress)
-    path = ds.save(cfg.workdir / "datasets" / f"dataset-{ds.digest[:16]}.json")
+    ds = read_dataset(cfg, progress=rc.progress)
+    wd = rc.workdir
+    path = ds.save(wd.dataset(ds.digest))
     summary = ds.summary()
     rejects = {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"],
                "excluded": summary["excluded"]}
-    counts = {"images": summary["images"], "captions": summary["captions"], "rejected_images": len(ds.rejected),
-              "dropped_captions": len(ds.dropped_captions), **{f"split_{k}": v for k, v in summary["splits"].items()}}
-    key, hit = rc.cached("ingest", dataset=ds.digest)
+    rejects_path = wd.rejects(ds.digest)
+    rejects_path.write_text(json.dumps(rejects, indent=1, ensure_ascii=False), encoding="utf-8")
+    ref = DatasetRef(run_id="", path=str(path), digest=ds.digest, images=summary["images"],
+                     captions=summary["captions"], rejected_images=len(ds.rejected),
+                     dropped_captions=len(ds.dropped_captions), splits=dict(summary["splits"]),
+                     rejects_path=str(rejects_path))
+    counts = ref.counts()
+    key, hit = rc.cached("ingest", DatasetRef, dataset=ds.digest)
     rc.tracker.metrics(rc.parent_run, counts)  # counted in the parent run on every run
     if hit is not None:
         return hit
@@ -40,73 +58,130 @@ def ingest_task(rc: RunContext) -> dict[str, Any]:
         rc.tracker.metrics(run, {**counts, "seconds": time.perf_counter() - t0})
         rc.tracker.json_artifact(run, "rejects.json", rejects)
         rc.tracker.json_artifact(rc.parent_run, "rejects.json", rejects)
-    return rc.done("ingest", key, {"run_id": run, "dataset_path": str(path), "digest": ds.digest, **counts})
+    return rc.done("ingest", key, dataclasses.replace(ref, run_id=run))
 
 
-@task(name="extract", **RETRY)
-def extract_task(rc: RunContext, data: dict[str, Any]) -> dict[str, Any]:
-    """Region features into the feature store (Dask-parallel, resumes at chunk level)."""
+def extract(rc: RunContext, data: DatasetRef, *, uri: str | None = None, workers: int | None = None,
+            reuse: bool = True) -> FeaturesRef:
+    """Region features into the feature store (Dask-parallel, resumes at chunk level). ``reuse``: a recorded,
+    intact store is returned as is; ``reuse=False`` (``capflow extract``) always passes over the store, which
+    skips finished chunks (re-checking them) and fills the rest."""
     from captioning.features.parallel import extract_features, store_uri
 
     cfg = rc.cfg
-    uri = store_uri(cfg)
-    key, hit = rc.cached("extract", dataset=data["digest"], store=uri, source=cfg.features.source)
-    if hit is not None and features_intact(uri, hit["digest"]):  # values checked: a damaged chunk is redone
+    uri = uri or store_uri(cfg)
+    key, hit = rc.cached("extract", FeaturesRef, dataset=data.digest, store=uri, source=cfg.features.source)
+    if reuse and hit is not None and features_intact(uri, hit.digest):  # values checked: a damaged chunk is redone
         return hit
-    ds = Dataset.load(data["dataset_path"])
+    ds = Dataset.load(data.path)
     with rc.tracker.run("extract", rc.parent_run) as run:
         rc.tracker.params(run, {"features": cfg.features.model_dump(mode="json")})
-        rc.tracker.dataset(run, "dataset", data["digest"], ds.source, "input")
+        rc.tracker.dataset(run, "dataset", data.digest, ds.source, "input")
         t0 = time.perf_counter()
         if cfg.features.source == "synthetic-informative":
             from captioning.data.synthetic_features import informative_store_for
 
             store = informative_store_for(cfg, ds, uri, progress=rc.progress)
-            info: dict[str, Any] = {"extracted": store.num_rows}
+            report: dict[str, Any] = {"extracted": store.num_rows}
         else:
-            res = extract_features(cfg, ds, uri=uri, progress=rc.progress)
-            info = {"extracted": res.extracted, "skipped_chunks": res.skipped_chunks,
-                    "seconds_per_image": res.seconds_per_image}
+            res = extract_features(cfg, ds, workers=workers, uri=uri, progress=rc.progress)
+            report = res.to_json()
             store = FeatureStore.open(uri)
         summary = store.summary()
         manifest = store.manifest()
+        info = {k: report[k] for k in ("extracted", "skipped_chunks", "seconds_per_image") if k in report}
         rc.tracker.metrics(run, {"images": summary["images"], "ok": summary["ok"], "rejected": len(summary["rejected"]),
                                  "boxes_mean": summary["boxes"]["mean"], "seconds": time.perf_counter() - t0, **info})
         rc.tracker.json_artifact(run, "manifest.json", manifest)
         rc.tracker.json_artifact(run, "feature_rejects.json", summary["rejected"])
         rc.tracker.metrics(rc.parent_run, {"feature_rejects": len(summary["rejected"])})
     log.info("extract: %s ok of %s images -> %s", summary["ok"], summary["images"], uri)
-    return rc.done("extract", key, {"run_id": run, "uri": uri, "digest": manifest["digest"], "ok": summary["ok"],
-                                    "rejected": len(summary["rejected"])})
+    return rc.done("extract", key, FeaturesRef(run_id=run, uri=uri, digest=manifest["digest"], ok=summary["ok"],
+                                               rejected=len(summary["rejected"]), source=cfg.features.source,
+                                               report=report))
 
 
-@task(name="vocab", **RETRY)
-def vocab_task(rc: RunContext, data: dict[str, Any], feats: dict[str, Any]) -> dict[str, Any]:
-    """Vocabulary (train split) + ground-truth label store aligned to the feature store's rows."""
+def import_features(rc: RunContext, att_dir: Path, box_dir: Path, *, uri: str | None = None,
+                    overwrite: bool = False) -> FeaturesRef:
+    """Per-image ``.npy`` features -> a feature store in the feature-store folder (``imported-<digest>.zarr``:
+    named by the source folders and the image ids), recorded as the ``extract`` stage's result so that
+    ``capflow vocab`` / ``capflow train`` use it. Image ids come from dataset.annotations when set, else from the
+    file names."""
+    from captioning.data.prepare import image_sizes, import_npy_features
+    from captioning.features.parallel import imported_store_uri
+
     cfg = rc.cfg
-    key, hit = rc.cached("vocab", dataset=data["digest"], features=feats["digest"],
+    sizes: dict[int, tuple[int, int]] = {}
+    data: DatasetRef | None = None
+    if cfg.dataset.annotations:
+        data = ingest(rc)
+        ds = Dataset.load(data.path)
+        ids = [e.image_id for e in ds.images]
+        sizes = image_sizes(ds)
+    else:
+        ids = sorted(int(p.stem) for p in att_dir.glob("*.npy") if p.stem.isdigit())
+        if not ids:
+            raise MissingStageError(f"no <image_id>.npy files in {att_dir}")
+    f = cfg.features
+    uri = uri or imported_store_uri(cfg, att_dir, box_dir, ids)
+    store = import_npy_features(att_dir, box_dir, ids, uri, max_boxes=f.max_boxes, feature_dim=f.feature_dim,
+                                chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor,
+                                image_sizes=sizes, overwrite=overwrite, progress=rc.progress)
+    summary = store.summary()
+    ref = FeaturesRef(run_id="", uri=uri, digest=store.manifest()["digest"], ok=summary["ok"],
+                      rejected=len(summary["rejected"]), source="import-npy", report={"rejected": summary["rejected"]})
+    key = stage_key("extract", dataset=data.digest if data else None, store=uri, source=ref.source)
+    return rc.done("extract", key, ref)
+
+
+def features_for(rc: RunContext, data: DatasetRef) -> FeaturesRef:
+    """The feature store a single-stage command uses: the configured store's record for this dataset, else the
+    most recent ``extract`` record of the workdir (an imported store); else :class:`MissingStageError`."""
+    from captioning.features.parallel import store_uri
+
+    _, hit = rc.cached("extract", FeaturesRef, dataset=data.digest, store=store_uri(rc.cfg),
+                       source=rc.cfg.features.source)
+    hit = hit or rc.cache.latest("extract", FeaturesRef)
+    if hit is None:
+        raise MissingStageError(f"no feature store recorded in {rc.workdir.root}: run `capflow extract` (or "
+                                "`capflow import-features`, or `capflow run`) with the same --preset/--config first")
+    return hit
+
+
+def features_of_store(uri: str) -> FeaturesRef:
+    """A feature store named on the command line (``--features URI``) as a typed reference."""
+    store = FeatureStore.open(uri)
+    s = store.summary()
+    return FeaturesRef(run_id="", uri=uri, digest=store.manifest()["digest"], ok=s["ok"], rejected=len(s["rejected"]),
+                       source=str(store.group.attrs.get("source", "detector")))
+
+
+def vocab(rc: RunContext, data: DatasetRef, feats: FeaturesRef | None) -> LabelsRef:
+    """Vocabulary (train split) + ground-truth label store aligned to the feature store's rows (the dataset's own
+    order without a feature store)."""
+    cfg = rc.cfg
+    key, hit = rc.cached("vocab", LabelsRef, dataset=data.digest, features=feats.digest if feats else None,
                          vocab=cfg.digest("vocab"), max_words=cfg.dataset.max_words)
-    if hit is not None:
+    if hit is not None and Path(hit.vocab_path).is_file():
         return hit
-    ds = Dataset.load(data["dataset_path"])
+    ds = Dataset.load(data.path)
     with rc.tracker.run("vocab", rc.parent_run) as run:
         rc.tracker.params(run, {"vocab": cfg.vocab.model_dump(mode="json"), "max_words": cfg.dataset.max_words})
-        rc.tracker.dataset(run, "dataset", data["digest"], ds.source, "input")
-        out: Path = rc.cache.workdir("vocab", key)
-        vocab = build_vocabulary(list(ds.captions("train")), cfg.vocab.min_count, cfg.vocab.radix_base)
-        vocab_path = vocab.save(out / "vocab.json")
-        rows = FeatureStore.open(feats["uri"]).row_of()
-        store = build_labels(ds, vocab, str(out / "labels.zarr"), cfg.dataset.max_words, rows)
-        digest = store.digest()
-        radix = vocab.radix()
-        rc.tracker.dataset(run, "labels", digest, store.uri, "output",
-                           {"captions": int(store.group["tokens"].shape[0])})
-        rc.tracker.metrics(run, {"words": len(vocab.words), "ids": len(vocab), "radix_digits": radix.digits,
-                                 "captions": int(store.group["tokens"].shape[0])})
-        rc.tracker.artifact(run, vocab_path)
-    return rc.done("vocab", key, {"run_id": run, "vocab_path": str(vocab_path), "labels_uri": store.uri,
-                                  "labels_digest": digest, "vocab_digest": vocab.digest()})
+        rc.tracker.dataset(run, "dataset", data.digest, ds.source, "input")
+        rows = FeatureStore.open(feats.uri).row_of() if feats else None
+        res = vocab_and_labels(cfg, ds, rows, out=rc.cache.workdir("vocab", key))
+        digest = LabelStore.open(res.labels_uri).digest()
+        radix = res.vocab.radix()
+        rc.tracker.dataset(run, "labels", digest, res.labels_uri, "output", {"captions": res.captions})
+        rc.tracker.metrics(run, {"words": len(res.vocab.words), "ids": len(res.vocab), "radix_digits": radix.digits,
+                                 "captions": res.captions})
+        rc.tracker.artifact(run, res.vocab_path)
+    return rc.done("vocab", key, LabelsRef(
+        run_id=run, vocab_path=str(res.vocab_path), labels_uri=res.labels_uri, labels_digest=digest,
+        vocab_digest=res.vocab.digest(), features_uri=feats.uri if feats else None,
+        features_digest=feats.digest if feats else None, words=len(res.vocab.words), captions=res.captions))
 
 
-def labels_digest(uri: str) -> str:
-    return LabelStore.open(uri).digest()
+ingest_task = task(ingest, name="ingest", **RETRY)
+extract_task = task(extract, name="extract", **RETRY)
+vocab_task = task(vocab, name="vocab", **RETRY)

@@ -11,6 +11,7 @@ from prefect import task
 
 from tasks.common import RunContext, log
 from tasks.data import RETRY
+from tasks.refs import Promotion, StudentFailure, StudentResult
 
 COLUMNS = ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
 
@@ -19,24 +20,53 @@ def _fmt(v: Any) -> str:
     return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def leaderboard_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    ok = [r for r in results if "error" not in r]
-    rows = [{"student": r["student"], "preset": r["preset"], "metrics": r["metrics"], "params": r["params"],
-             "latency_ms": r["latency_ms"], "run_id": r["run_id"], "model_version": r.get("model_version")}
-            for r in ok]
-    return sorted(rows, key=lambda r: -(r["metrics"].get("CIDEr") or 0.0))
+def rank(results: list[StudentResult | StudentFailure]) -> tuple[list[StudentResult], list[StudentFailure]]:
+    """Finished students best first (test CIDEr, then fewer parameters, then name), and the failed ones."""
+    ok = [r for r in results if isinstance(r, StudentResult)]
+    failed = [r for r in results if isinstance(r, StudentFailure)]
+    return sorted(ok, key=lambda r: (-(r.metrics.get("CIDEr") or 0.0), r.params, r.student)), failed
+
+
+def leaderboard_rows(ranked: list[StudentResult]) -> list[dict[str, Any]]:
+    """The leaderboard's JSON rows (``leaderboard.json``, the run summary)."""
+    return [{"student": r.student, "preset": r.preset, "metrics": r.metrics, "params": r.params,
+             "latency_ms": r.latency_ms, "unique_fraction": r.unique_fraction, "run_id": r.run_id,
+             "model_version": r.model_version} for r in ranked]
 
 
 def markdown(rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> str:
-    head = "| rank | student | preset | " + " | ".join(COLUMNS) + " | params | latency ms |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 5)]
+    """The one leaderboard table (MLflow ``leaderboard.md``, the Prefect run summary, ``capflow run``)."""
+    head = "| rank | student | preset | " + " | ".join(COLUMNS) + " | params | latency ms | distinct |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 6)]
     for i, r in enumerate(rows, 1):
         m = r["metrics"]
         lines.append(f"| {i} | {r['student']} | {r['preset']} | " + " | ".join(_fmt(m.get(c)) for c in COLUMNS)
-                     + f" | {r['params']:,} | {r['latency_ms']:.1f} |")
+                     + f" | {r['params']:,} | {r['latency_ms']:.1f} | {_fmt(r.get('unique_fraction'))} |")
     for f in failed:
         lines.append(f"| - | {f['student']} | FAILED: {f['error'][:80]} |")
     return "\n".join(lines) + "\n"
+
+
+def decide_promotion(best: dict[str, Any] | None, current_version: str | None, current_tags: dict[str, str],
+                     test_set: str) -> Promotion:
+    """Whether the run's best student (a leaderboard row) takes the ``champion`` alias: only when there is no
+    champion, the champion was scored on another test set, or the best beats it on this one (ties keep it)."""
+    if best is None:
+        return Promotion(changed=False, reason="no student finished", champion_version=current_version,
+                         previous_version=current_version)
+    cider = best["metrics"].get("CIDEr") or 0.0
+    kw = {"candidate": best["student"], "candidate_version": best["model_version"], "candidate_cider": cider,
+          "previous_version": current_version}
+    if current_version is not None and current_version == best["model_version"]:
+        return Promotion(changed=False, reason="already champion", champion_version=current_version, **kw)
+    same_set = current_version is not None and current_tags.get("test_set") == test_set
+    if same_set and float(current_tags.get("test_CIDEr") or 0.0) >= cider:
+        return Promotion(changed=False, champion_version=current_version, **kw,
+                         reason=f"current champion v{current_version} scores "
+                                f"{float(current_tags['test_CIDEr']):.4f} >= {cider:.4f} on the same test set")
+    reason = ("no champion yet" if current_version is None else "better than the current champion" if same_set
+              else "current champion was scored on another test set")
+    return Promotion(changed=True, reason=reason, champion_version=best["model_version"], **kw)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -60,10 +90,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-@task(name="leaderboard", **RETRY)
-def leaderboard_task(rc: RunContext, results: list[dict[str, Any]]) -> dict[str, Any]:
-    rows = leaderboard_rows(results)
-    failed = [{"student": r["student"], "error": r["error"]} for r in results if "error" in r]
+def leaderboard(rc: RunContext, results: list[StudentResult | StudentFailure]) -> dict[str, Any]:
+    """Rank the students; table, plot and JSON into the parent run."""
+    ranked, failures = rank(results)
+    rows = leaderboard_rows(ranked)
+    failed = [{"student": f.student, "error": f.error} for f in failures]
     with tempfile.TemporaryDirectory() as tmp:
         md = Path(tmp) / "leaderboard.md"
         md.write_text(markdown(rows, failed), encoding="utf-8")
@@ -81,31 +112,19 @@ def leaderboard_task(rc: RunContext, results: list[dict[str, Any]]) -> dict[str,
     return {"leaderboard": rows, "failed": failed}
 
 
-@task(name="promote", **RETRY)
-def promote_task(rc: RunContext, board: dict[str, Any], test_set: str) -> dict[str, Any]:
+def promote(rc: RunContext, board: dict[str, Any], test_set: str) -> Promotion:
     """Give ``champion`` to the best student if it beats the current champion on the same test set."""
     rows = board["leaderboard"]
-    if not rows:
-        return {"champion": None, "changed": False, "reason": "no student finished"}
-    best = rows[0]
-    cider = best["metrics"].get("CIDEr") or 0.0
-    cur_version, cur_tags = rc.tracker.champion()
-    decision: dict[str, Any] = {"candidate": best["student"], "candidate_version": best["model_version"],
-                                "candidate_CIDEr": cider, "previous_version": cur_version}
-    if cur_version == best["model_version"]:
-        decision.update(changed=False, reason="already champion")
-    elif cur_version is not None and cur_tags.get("test_set") == test_set and \
-            float(cur_tags.get("test_CIDEr") or 0.0) >= cider:
-        decision.update(changed=False, reason=f"current champion v{cur_version} scores "
-                        f"{float(cur_tags['test_CIDEr']):.4f} >= {cider:.4f} on the same test set")
-    else:
-        rc.tracker.set_champion(best["model_version"])
-        decision.update(changed=True, reason="no champion yet" if cur_version is None else
-                        "better than the current champion" if cur_tags.get("test_set") == test_set else
-                        "current champion was scored on another test set")
-    champion_version = best["model_version"] if decision["changed"] else cur_version
-    decision["champion_version"] = champion_version
-    rc.tracker.tags(rc.parent_run, {"champion_version": champion_version, "champion_changed": decision["changed"]})
-    rc.tracker.json_artifact(rc.parent_run, "promotion.json", decision)
+    cur_version, cur_tags = rc.tracker.champion() if rows else (None, {})
+    decision = decide_promotion(rows[0] if rows else None, cur_version, cur_tags, test_set)
+    if decision.changed:
+        rc.tracker.set_champion(decision.champion_version)
+    rc.tracker.tags(rc.parent_run, {"champion_version": decision.champion_version,
+                                    "champion_changed": decision.changed})
+    rc.tracker.json_artifact(rc.parent_run, "promotion.json", decision.to_record())
     log.info("promotion: %s", decision)
     return decision
+
+
+leaderboard_task = task(leaderboard, name="leaderboard", **RETRY)
+promote_task = task(promote, name="promote", **RETRY)

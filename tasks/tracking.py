@@ -43,6 +43,7 @@ from mlflow.exceptions import MlflowException
 
 from captioning.config import PipelineConfig
 from captioning.redact import SECRET_KEY, redact, redact_obj
+from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -176,7 +177,7 @@ def tracking_uri(cfg: PipelineConfig) -> str:
     uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.tracking_uri
     if uri:
         return uri
-    return f"sqlite:///{(cfg.workdir / 'mlflow.db').resolve()}"
+    return f"sqlite:///{Workdir.of(cfg).mlflow_db().resolve()}"
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -391,3 +392,46 @@ def _existing_ok(fn: Callable[[], T]) -> T | None:
         if e.error_code == "RESOURCE_ALREADY_EXISTS":
             return None
         raise
+
+
+class LocalRecorder:
+    """The tracker of single-stage commands (``capflow ingest|extract|vocab|train``): they write the same stage
+    outputs and stage records as the pipeline but record no MLflow runs - ``capflow run`` does. Every recording
+    call is accepted and dropped; runs have the id ``""``."""
+
+    display_uri = "(not tracked: single-stage command)"
+
+    def __init__(self, cfg: PipelineConfig):
+        self.cfg = cfg
+
+    @contextlib.contextmanager
+    def run(self, name: str, parent: str | None = None, tags: Mapping[str, Any] | None = None) -> Iterator[str]:
+        yield ""
+
+    def params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        pass
+
+    def tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0, prefix: str = "") -> None:
+        pass
+
+    def dataset(self, run_id: str, name: str, digest: str, source: str, context: str,
+                profile: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def json_artifact(self, run_id: str, name: str, obj: Any, artifact_path: str | None = None) -> None:
+        pass
+
+    def text_artifact(self, run_id: str, name: str, text: str, artifact_path: str | None = None) -> None:
+        pass
+
+    def history(self, run_id: str, rows: Iterable[Mapping[str, Any]], prefix: str = "") -> None:
+        pass
+
+    def register(self, run_id: str, artifact_path: str, tags: Mapping[str, Any]) -> str | None:
+        return None

@@ -1,9 +1,12 @@
-"""Pipeline tasks for the model stages: AIC teacher (XE), SeqKD captions, one task per student (XE -> SCST ->
-evaluation -> registered model version). Training resumes from the stage folder's last checkpoint when a run
-was killed; a student that fails is reported, not fatal to the others."""
+"""The model stages as jobs - AIC teacher (XE), SeqKD captions, one student (XE -> SCST -> evaluation -> registered
+model version) - and their Prefect tasks. Training is :func:`captioning.training.stages.run_training` (one
+process, or ``teacher.nproc`` / ``students.nproc`` data-parallel processes) for the pipeline and ``capflow train``
+alike; a killed stage resumes from its folder's last epoch checkpoint; a student that fails is reported, not
+fatal to the others."""
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from typing import Any
@@ -14,151 +17,166 @@ from prefect.cache_policies import NO_CACHE
 
 from captioning.data.karpathy import Dataset
 from captioning.data.stores import LabelStore
+from captioning.metrics.coco import references_document
 from captioning.training import checkpoint
-from captioning.training.recipe import preset_name, scst_settings, student_arch, teacher_arch, xe_settings
-from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, seqkd
+from captioning.training.recipe import preset_name, scst_settings, student_arch, xe_settings
+from captioning.training.stages import StageContext, TrainSpec, evaluate, run_training, seqkd
+from captioning.training.xe import load_model
 from captioning.util import sha256_file
 from tasks.common import RunContext, log
 from tasks.data import RETRY
+from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 
 
-def _context(rc: RunContext, data: dict[str, Any], feats: dict[str, Any], labels: dict[str, Any]) -> StageContext:
-    return StageContext.from_paths(rc.cfg, labels["vocab_path"], labels["labels_uri"], feats["uri"],
-                                   Dataset.load(data["dataset_path"]), progress=rc.progress)
+def _context(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef) -> StageContext:
+    return StageContext.from_paths(rc.cfg, labels.vocab_path, labels.labels_uri, feats.uri, Dataset.load(data.path),
+                                   progress=rc.progress)
 
 
-def _inputs(rc: RunContext, run: str, data, feats, labels) -> None:
-    rc.tracker.dataset(run, "dataset", data["digest"], data["dataset_path"], "input")
-    rc.tracker.dataset(run, "features", feats["digest"], feats["uri"], "training")
-    rc.tracker.dataset(run, "labels", labels["labels_digest"], labels["labels_uri"], "training")
+def _spec(data: DatasetRef, feats: FeaturesRef, labels: LabelsRef, model: str, out, **kw: Any) -> TrainSpec:
+    return TrainSpec(model=model, vocab_path=labels.vocab_path, labels_uri=labels.labels_uri, features_uri=feats.uri,
+                     out=str(out), dataset_path=data.path, **kw)
 
 
-def _epoch_logger(rc: RunContext, run: str, prefix: str = ""):
+def _inputs(rc: RunContext, run: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef) -> None:
+    rc.tracker.dataset(run, "dataset", data.digest, data.path, "input")
+    rc.tracker.dataset(run, "features", feats.digest, feats.uri, "training")
+    rc.tracker.dataset(run, "labels", labels.labels_digest, labels.labels_uri, "training")
+
+
+def _epoch_logger(rc: RunContext, run: str):
     def on_epoch(epoch: int, metrics: dict[str, Any]) -> None:
-        rc.tracker.metrics(run, {k: v for k, v in metrics.items() if k != "epoch"}, step=epoch, prefix=prefix)
+        rc.tracker.metrics(run, {k: v for k, v in metrics.items() if k != "epoch"}, step=epoch)
     return on_epoch
 
 
-@task(name="train-teacher", **RETRY)
-def teacher_task(rc: RunContext, data, feats, labels) -> dict[str, Any]:
+def _train(rc: RunContext, run: str, spec: TrainSpec, nproc: int) -> dict[str, Any]:
+    """Train; per-epoch metrics go to ``run`` as they come (one process) or from the history (DDP)."""
+    res = run_training(rc.cfg, spec, nproc=nproc, on_epoch=_epoch_logger(rc, run) if nproc == 1 else None,
+                       progress=rc.progress)
+    if nproc > 1:
+        rc.tracker.history(run, res["history"])
+    return res
+
+
+def teacher(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef) -> TeacherRef:
     cfg = rc.cfg
-    key, hit = rc.cached("teacher", features=feats["digest"], labels=labels["labels_digest"],
+    key, hit = rc.cached("teacher", TeacherRef, features=feats.digest, labels=labels.labels_digest,
                          teacher=cfg.digest("teacher"), loader=cfg.digest("loader"), seed=cfg.run.seed,
                          max_words=cfg.dataset.max_words)
     if hit is not None:
         return hit
-    ctx = _context(rc, data, feats, labels)
-    arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
     with rc.tracker.run("teacher", rc.parent_run, {"capflow.arch": cfg.teacher.model.arch}) as run:
-        s = xe_settings(cfg.teacher.xe, cfg)
-        rc.tracker.params(run, {"arch": arch.to_dict(), "xe": vars(s)})
+        rc.tracker.params(run, {"teacher": cfg.teacher.model_dump(mode="json"),
+                                "xe": vars(xe_settings(cfg.teacher.xe, cfg))})
         _inputs(rc, run, data, feats, labels)
-        out = rc.cache.workdir("teacher", key)
-        _, res, _ = fit_xe(ctx, arch, out, settings=s, on_epoch=_epoch_logger(rc, run))
-        best = res.best_checkpoint or res.last_checkpoint
-        rc.tracker.metrics(run, {"best_val_CIDEr": res.best_metric, "best_epoch": res.best_epoch,
-                                 "resumed_from_epoch": res.resumed_from_epoch})
+        spec = _spec(data, feats, labels, "teacher", rc.cache.workdir("teacher", key))
+        res = _train(rc, run, spec, cfg.teacher.nproc)
+        best = res["best_checkpoint"] or res["last_checkpoint"]
+        rc.tracker.metrics(run, {"best_val_CIDEr": res["best_metric"], "best_epoch": res["best_epoch"],
+                                 "resumed_from_epoch": res["resumed_from_epoch"], "processes": res["processes"]})
         rc.tracker.artifact(run, best, "checkpoint")
-        rc.tracker.json_artifact(run, "history.json", res.history)
-    return rc.done("teacher", key, {"run_id": run, "checkpoint": str(best), "checkpoint_digest": sha256_file(best),
-                                    "best_val_cider": res.best_metric})
+        rc.tracker.json_artifact(run, "history.json", res["history"])
+    return rc.done("teacher", key, TeacherRef(run_id=run, checkpoint=str(best), checkpoint_digest=sha256_file(best),
+                                              best_val_cider=res["best_metric"]))
 
 
-@task(name="seqkd", **RETRY)
-def seqkd_task(rc: RunContext, data, feats, labels, teacher: dict[str, Any]) -> dict[str, Any]:
-    from captioning.training.xe import load_model
-
+def seqkd_captions(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
+                   teacher: TeacherRef) -> SeqKDRef:
     cfg = rc.cfg
-    key, hit = rc.cached("seqkd", teacher=teacher["checkpoint_digest"], labels=labels["labels_digest"],
+    key, hit = rc.cached("seqkd", SeqKDRef, teacher=teacher.checkpoint_digest, labels=labels.labels_digest,
                          beam=cfg.students.seqkd_beam, max_words=cfg.dataset.max_words)
     if hit is not None:
         return hit
-    name = f"seqkd:{teacher['checkpoint_digest'][:12]}"
+    name = f"seqkd:{teacher.checkpoint_digest[:12]}"
     ctx = _context(rc, data, feats, labels)
     with rc.tracker.run("seqkd", rc.parent_run) as run:
         rc.tracker.params(run, {"beam": cfg.students.seqkd_beam, "max_words": cfg.dataset.max_words, "source": name,
-                                "teacher_run": teacher["run_id"]})
-        rc.tracker.dataset(run, "teacher-checkpoint", teacher["checkpoint_digest"], teacher["checkpoint"], "model")
+                                "teacher_run": teacher.run_id})
+        rc.tracker.dataset(run, "teacher-checkpoint", teacher.checkpoint_digest, teacher.checkpoint, "model")
         report: dict[str, Any]
         if name in ctx.labels.sources.values():  # written by a run that died before recording it
             report = {"source": name, "reused": True}
         else:
-            model, _ = load_model(teacher["checkpoint"], device=ctx.device)
+            model, _ = load_model(teacher.checkpoint, device=ctx.device)
             report = seqkd(ctx, model, name).to_json()
-        digest = LabelStore.open(labels["labels_uri"]).digest()
-        rc.tracker.dataset(run, "seqkd-captions", digest, labels["labels_uri"], "output",
+        digest = LabelStore.open(labels.labels_uri).digest()
+        rc.tracker.dataset(run, "seqkd-captions", digest, labels.labels_uri, "output",
                            {k: v for k, v in report.items() if k != "source"})
         rc.tracker.metrics(run, report)
         rc.tracker.json_artifact(run, "seqkd_report.json", report)
-    return rc.done("seqkd", key, {"run_id": run, "source": name, "labels_digest": digest, "report": report})
+    return rc.done("seqkd", key, SeqKDRef(run_id=run, source=name, labels_digest=digest, report=report))
 
 
-def _student_key(rc: RunContext, name: str, arch: dict, feats, labels, kd, teacher) -> dict[str, Any]:
+def student_key(rc: RunContext, name: str, arch: dict, feats: FeaturesRef, labels: LabelsRef, kd: SeqKDRef,
+                teacher: TeacherRef, scst: bool) -> dict[str, Any]:
+    """The inputs and settings a student's result depends on (its stage key's parts)."""
     cfg = rc.cfg
     parts: dict[str, Any] = {"arch": arch, "xe": cfg.digest("students.xe"), "loader": cfg.digest("loader"),
-                             "seed": cfg.run.seed, "features": feats["digest"], "labels": labels["labels_digest"],
-                             "max_words": cfg.dataset.max_words}
+                             "seed": cfg.run.seed, "features": feats.digest, "labels": labels.labels_digest,
+                             "max_words": cfg.dataset.max_words, "nproc": cfg.students.nproc,
+                             "scst": cfg.digest("students.scst") if scst else None,
+                             "evaluation": cfg.digest("evaluation")}
     if name in cfg.students.seqkd_for:
-        parts["seqkd"] = kd["labels_digest"]
+        parts["seqkd"] = kd.labels_digest
     if name in cfg.students.teacher_init_for:
-        parts["teacher"] = teacher["checkpoint_digest"]
+        parts["teacher"] = teacher.checkpoint_digest
     return parts
 
 
-@task(name="train-student", cache_policy=NO_CACHE)
-def student_task(rc: RunContext, name: str, data, feats, labels, teacher, kd, scst: bool = True) -> dict[str, Any]:
+def student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
+            teacher: TeacherRef, kd: SeqKDRef, scst: bool = True) -> StudentResult | StudentFailure:
     """XE -> SCST -> test evaluation -> registered model version for one student; never raises."""
     try:
         return _student(rc, name, data, feats, labels, teacher, kd, scst)
     except Exception as e:
         log.error("student %s failed: %s", name, e)
         rc.stages[f"student:{name}"] = "failed"
-        return {"student": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        return StudentFailure(student=name, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
 
 
-def _student(rc: RunContext, name: str, data, feats, labels, teacher, kd, scst: bool) -> dict[str, Any]:
+def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
+             teacher: TeacherRef, kd: SeqKDRef, scst: bool) -> StudentResult:
     cfg = rc.cfg
     ctx = _context(rc, data, feats, labels)
     arch = student_arch(name, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
     pname = preset_name(name)
-    parts = _student_key(rc, name, arch.to_dict(), feats, labels, kd, teacher)
     stage = f"student-{name}"
-    parts["scst"] = cfg.digest("students.scst") if scst else None
-    parts["evaluation"] = cfg.digest("evaluation")
-    key, hit = rc.cached(stage, **parts)
+    key, hit = rc.cached(stage, StudentResult, **student_key(rc, name, arch.to_dict(), feats, labels, kd, teacher,
+                                                             scst))
     if hit is not None:
         return hit
     captions = "seqkd" if name in cfg.students.seqkd_for else "ground_truth"
-    init = teacher["checkpoint"] if name in cfg.students.teacher_init_for else None
+    init = teacher.checkpoint if name in cfg.students.teacher_init_for else None
+    nproc = cfg.students.nproc
     with rc.tracker.run(pname, rc.parent_run, {"capflow.student": name}) as run:
-        s = xe_settings(cfg.students.xe, cfg)
-        rc.tracker.params(run, {"student": name, "preset": pname, "captions": captions,
-                                "init_from_teacher": bool(init), "arch": arch.to_dict(), "xe": vars(s)})
+        rc.tracker.params(run, {"student": name, "preset": pname, "captions": captions, "nproc": nproc,
+                                "init_from_teacher": bool(init), "arch": arch.to_dict(),
+                                "xe": vars(xe_settings(cfg.students.xe, cfg))})
         _inputs(rc, run, data, feats, labels)
         if captions == "seqkd":
-            rc.tracker.dataset(run, "seqkd-captions", kd["labels_digest"], labels["labels_uri"], "training")
+            rc.tracker.dataset(run, "seqkd-captions", kd.labels_digest, labels.labels_uri, "training")
         if init:
-            rc.tracker.dataset(run, "teacher-checkpoint", teacher["checkpoint_digest"], init, "init")
+            rc.tracker.dataset(run, "teacher-checkpoint", teacher.checkpoint_digest, init, "init")
         out = rc.cache.workdir(stage, key)
         t0 = time.perf_counter()
-        model, res, info = fit_xe(ctx, arch, out / "xe", settings=s, captions=captions,
-                                  seqkd_source=kd["source"] if captions == "seqkd" else None, init_from=init,
-                                  on_epoch=_epoch_logger(rc, run))
-        rc.tracker.metrics(run, {"xe_best_val_CIDEr": res.best_metric, "xe_seconds": time.perf_counter() - t0,
-                                 "xe_resumed_from_epoch": res.resumed_from_epoch,
-                                 **{k: v for k, v in info.items() if k.startswith("init_") and isinstance(v, int)}})
-        final_ckpt = res.best_checkpoint or res.last_checkpoint
+        res = _train(rc, run, _spec(data, feats, labels, name, out / "xe", captions=captions, init_from=init,
+                                    seqkd_source=kd.source if captions == "seqkd" else None), nproc)
+        rc.tracker.metrics(run, {"xe_best_val_CIDEr": res["best_metric"], "xe_seconds": time.perf_counter() - t0,
+                                 "xe_resumed_from_epoch": res["resumed_from_epoch"]})
+        final_ckpt = res["best_checkpoint"] or res["last_checkpoint"]
         if scst:
             with rc.tracker.run("scst", run, {"capflow.student": name}) as srun:
-                ss = scst_settings(cfg.students.scst, cfg)
-                rc.tracker.params(srun, {"scst": cfg.students.scst.model_dump(mode="json"), "settings": vars(ss)})
+                rc.tracker.params(srun, {"scst": cfg.students.scst.model_dump(mode="json"),
+                                         "settings": vars(scst_settings(cfg.students.scst, cfg))})
                 t1 = time.perf_counter()
-                model, sres = fit_scst(ctx, final_ckpt, out / "scst", settings=ss, on_epoch=_epoch_logger(rc, srun))
+                sres = _train(rc, srun, _spec(data, feats, labels, name, out / "scst", scst_from=final_ckpt), nproc)
                 # best_epoch -1: no SCST epoch beat the XE weights on validation, and they are what goes on
-                rc.tracker.metrics(srun, {"best_val_CIDEr": sres.best_metric, "best_epoch": sres.best_epoch,
+                rc.tracker.metrics(srun, {"best_val_CIDEr": sres["best_metric"], "best_epoch": sres["best_epoch"],
                                           "seconds": time.perf_counter() - t1,
-                                          "resumed_from_epoch": sres.resumed_from_epoch})
-            final_ckpt = sres.best_checkpoint or sres.last_checkpoint
+                                          "resumed_from_epoch": sres["resumed_from_epoch"]})
+            final_ckpt = sres["best_checkpoint"] or sres["last_checkpoint"]
+        model, st = load_model(final_ckpt, device=ctx.device)
         with rc.tracker.run("evaluate", run, {"capflow.student": name}) as erun:
             ev = evaluate(ctx, model, arch_name=name)
             preds = ev.pop("predictions")
@@ -169,22 +187,30 @@ def _student(rc: RunContext, name: str, data, feats, labels, teacher, kd, scst: 
             rc.tracker.json_artifact(erun, "predictions.json", preds)
             rc.tracker.json_artifact(erun, "metrics.json", ev)
         rc.tracker.metrics(run, {f"test_{k}": v for k, v in {**test, **summary}.items()})
+        # kept beside the model for `capflow evaluate` (COCO results + the test split's references)
+        pred_path, ref_path = out / "predictions.json", out / "references.json"
+        pred_path.write_text(json.dumps(preds, ensure_ascii=False), encoding="utf-8")
+        ref_path.write_text(json.dumps(references_document(ctx.text_references("test")), ensure_ascii=False),
+                            encoding="utf-8")
         # the model folder: checkpoint + vocabulary + what produced it (registered below)
-        st = checkpoint.load(final_ckpt)
         model_dir = checkpoint.save_model_dir(
-            out / "model", model=model, arch=st["arch"], vocab=labels["vocab_path"],
+            out / "model", model=model, arch=st["arch"], vocab=labels.vocab_path,
             features=cfg.features.model_dump(mode="json"), student=name, preset=pname,
             max_words=cfg.dataset.max_words, beam=cfg.evaluation.beam, test_metrics=test,
             vocab_digest=st["vocab_digest"], epoch=st["epoch"], step=st["step"],
-            weights_cache_dir=cfg.workdir / "cache" / "weights")  # the extraction's weights cache
+            weights_cache_dir=rc.workdir.weights_cache())  # the extraction's weights cache
         rc.tracker.artifact(run, model_dir, "model")
-        test_set = data["digest"]
         version = rc.tracker.register(run, "model", {"student": name, "preset": pname,
-                                                     "test_CIDEr": test.get("CIDEr"), "test_set": test_set})
+                                                     "test_CIDEr": test.get("CIDEr"), "test_set": data.digest})
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return rc.done(stage, key, {"student": name, "preset": pname, "run_id": run, "metrics": ev["metrics"],
-                                "params": ev["params"], "latency_ms": ev["latency_ms"],
-                                "novel_fraction": ev["novel_fraction"], "avg_length": ev["avg_length"],
-                                "model_version": version, "test_set": test_set,
-                                "checkpoint": str(model_dir / "model.pt")})
+    return rc.done(stage, key, StudentResult(
+        student=name, preset=pname, run_id=run, metrics=ev["metrics"], params=ev["params"],
+        latency_ms=ev["latency_ms"], novel_fraction=ev["novel_fraction"], avg_length=ev["avg_length"],
+        unique_fraction=ev["unique_fraction"], model_version=version, test_set=data.digest,
+        checkpoint=str(model_dir / "model.pt"), predictions=str(pred_path), references=str(ref_path)))
+
+
+teacher_task = task(teacher, name="train-teacher", **RETRY)
+seqkd_task = task(seqkd_captions, name="seqkd", **RETRY)
+student_task = task(student, name="train-student", cache_policy=NO_CACHE)

@@ -115,8 +115,10 @@ def _norm(text: str) -> str:
     return text.rstrip("/") if "://" in text else os.path.realpath(text)
 
 
-def _records_naming(records: Iterable[Path], *needles: str, stages: Sequence[str] = ()) -> list[Path]:
-    """Readable records whose result names one of ``needles`` (a path or URI), or whose stage is in ``stages``."""
+def _records_naming(records: Iterable[Path], *needles: str, stages: Sequence[str] = (),
+                    within: Sequence[str] | None = None) -> list[Path]:
+    """Readable records whose result names one of ``needles`` (a path or URI), or whose stage is in ``stages``;
+    with ``within``, only records of those stages."""
     want = {_norm(n) for n in needles}
     out = []
     for p in records:
@@ -127,6 +129,8 @@ def _records_naming(records: Iterable[Path], *needles: str, stages: Sequence[str
         except StageRecordError:
             continue
         values = {_norm(v) for v in doc["result"].values() if isinstance(v, str) and v}
+        if within is not None and doc.get("stage") not in within:
+            continue
         if doc.get("stage") in stages or want & values:
             out.append(p)
     return out
@@ -154,7 +158,8 @@ def _feature_store(uri: str, repair: bool, records: list[Path], res: VerifyResul
             return Finding(uri, "feature store", "damaged", detail,
                            f"`capflow verify --repair {uri}` marks the chunks for re-extraction")
         left = [f for f in rep.faults if f.chunk not in rep.repaired]
-        removed = _remove_records(_records_naming(records, uri, stages=()))
+        # the extract record would hide the re-extraction; records built on the store are re-keyed by its digest
+        removed = _remove_records(_records_naming(records, uri, within=("extract",)))
         action = (f"chunks {rep.repaired} marked pending: `capflow extract` or `capflow run` re-extracts them"
                   + (f"; removed stage records {removed}" if removed else ""))
         if left:

@@ -18,6 +18,7 @@ from captioning.data.karpathy import Dataset, read_karpathy
 from captioning.data.prepare import import_npy_features
 from captioning.data.stores import OK, REJECTED, FeatureStore, LabelStore
 from captioning.data.text import Vocabulary
+from captioning.workdir import Workdir
 from flows.cli import main
 from tests.data.test_karpathy import REASON_WORDS, excerpt_root, plant_faults
 
@@ -150,10 +151,12 @@ def test_ingest_json_on_planted_faults(capsys, synthetic_small: Path, tmp_path: 
     n_dropped = 1 + len(f.entries[f.bad["punctuation_only"]]["sentences"])
     assert [d["reason"] for d in s["dropped_captions"]] == ["empty caption (no words after tokenisation)"] * n_dropped
     # written outputs
-    saved = Dataset.load(wd / "dataset" / "dataset.json")
+    layout = Workdir(wd)
+    saved = Dataset.load(layout.dataset(s["digest"]))
     assert saved.digest == s["digest"] and len(saved.images) == s["images"]
-    assert s["output"] == str(wd / "dataset" / "dataset.json")
-    rejects = json.loads((wd / "dataset" / "rejects.json").read_text())
+    assert s["output"] == str(layout.dataset(s["digest"])) == str(wd / "datasets" / f"dataset-{s['digest'][:16]}.json")
+    assert s["rejects"] == str(layout.rejects(s["digest"]))
+    rejects = json.loads(Path(s["rejects"]).read_text())
     assert [r["image_id"] for r in rejects["rejected"]] == [r["image_id"] for r in s["rejected"]]
     assert rejects["dropped_captions"] == s["dropped_captions"]
     assert (wd / "cache" / "file_hashes.json").is_file()
@@ -187,7 +190,7 @@ def test_ingest_too_many_rejects_exits_2(capsys, synthetic_small: Path, tmp_path
     for idx in f.kept_entries():
         assert f"images[{idx}] " not in err
     assert "Traceback" not in err
-    assert not (wd / "dataset" / "dataset.json").exists()
+    assert not list(wd.glob("datasets/*.json"))
 
 
 def test_ingest_malformed_json_exits_2(capsys, tmp_path: Path) -> None:
@@ -223,8 +226,12 @@ def test_vocab_json_on_synthetic(capsys, synthetic_small: Path, tmp_path: Path) 
     assert info["captions"] == ingested["captions"] == 24 * 5
     assert info["dataset_digest"] == ingested["digest"]
     vocab_path, labels_uri = Path(info["vocab"]), info["labels"]
-    assert vocab_path == wd / "labels" / "vocab.json" and vocab_path.is_file()
-    assert labels_uri == str(wd / "labels" / "labels.zarr") and Path(labels_uri).is_dir()
+    # the vocab stage's folder of the pipeline's layout, recorded for `capflow train`
+    assert vocab_path.parent.parent == wd / "runs" and vocab_path.parent.name.startswith("vocab-")
+    assert vocab_path.name == "vocab.json" and vocab_path.is_file()
+    assert labels_uri == str(vocab_path.parent / "labels.zarr") and Path(labels_uri).is_dir()
+    assert info["features"] is None  # no feature store yet: rows in dataset order
+    assert len(list((wd / "stages").glob("vocab-*.json"))) == 1
 
     # the vocabulary, recomputed independently from the train split (restval counts as train)
     ds = read_karpathy(synthetic_small / "dataset.json", synthetic_small / "images")
@@ -256,7 +263,7 @@ def test_vocab_json_on_synthetic(capsys, synthetic_small: Path, tmp_path: Path) 
         assert (labels.tokens[k, labels.length[k]:] == 0).all()
     assert LabelStore.open(labels_uri).attrs["dataset_digest"] == ingested["digest"]
 
-    # a second run overwrites the label store and gives the same result
+    # a second run finds the recorded stage and gives the same result
     rc, out2, _ = run(capsys, "vocab", "--json", *args)
     assert rc == 0 and json.loads(out2) == info
 

@@ -52,9 +52,46 @@ def test_train_cli_xe_scst_and_data_parallel(tmp_path, capsys):
 
 def test_train_cli_errors(tmp_path, capsys):
     assert main(["train", *_args(tmp_path)]) == 2
-    assert "capflow vocab" in capsys.readouterr().err
-    (tmp_path / "labels").mkdir()
-    (tmp_path / "labels" / "vocab.json").write_text("{}")
-    (tmp_path / "labels" / "labels.zarr").mkdir()
+    err = capsys.readouterr().err
+    assert "no feature store recorded" in err and "capflow extract" in err and "capflow import-features" in err
+    assert main(["train", "--labels", str(tmp_path / "l.zarr"), *_args(tmp_path)]) == 2
+    assert "give --labels and --vocab together" in capsys.readouterr().err
     assert main(["train", "--model", "nope", *_args(tmp_path)]) == 2
     assert "unknown student 'nope'" in capsys.readouterr().err
+
+
+def test_import_features_then_train_uses_the_imported_store(tmp_path, capsys):
+    """`capflow import-features` then `capflow vocab`-less `capflow train`: the imported store (in the
+    feature-store folder, recorded) is what the label store points at and what the model trains on."""
+    import numpy as np
+
+    from captioning.data.karpathy import Dataset
+    from captioning.data.loader import ZarrFeatures
+
+    a = ["--preset", "tiny", "--set", f"run.workdir={tmp_path / 'w'}", "--set", "dataset.synthetic.num_images=40",
+         "--set", "features.feature_dim=16", "--set", "features.max_boxes=10", "--set", "features.min_boxes=1",
+         "--set", "students.xe.epochs=1"]
+    assert main(["ingest", "--json", *a]) == 0
+    ds = Dataset.load(json.loads(capsys.readouterr().out)["output"])
+    rng = np.random.default_rng(0)
+    for sub in ("att", "box"):
+        (tmp_path / sub).mkdir()
+    for e in ds.images:  # per-image .npy features in the bottom-up layout
+        n = int(rng.integers(2, 10))
+        np.save(tmp_path / "att" / f"{e.image_id}.npy", rng.normal(size=(n, 16)).astype(np.float32))
+        np.save(tmp_path / "box" / f"{e.image_id}.npy", np.sort(rng.uniform(size=(n, 4)), axis=1))
+    assert main(["import-features", "--att-dir", str(tmp_path / "att"), "--box-dir", str(tmp_path / "box"),
+                 "--json", *a]) == 0
+    imported = json.loads(capsys.readouterr().out)["store"]
+    assert imported.startswith(str(tmp_path / "w" / "features" / "imported-")) and imported.endswith(".zarr")
+    assert main(["train", "--json", "--model", "lw", *a]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["epochs_run"] == 1 and res["processes"] == 1
+    ckpt = torch.load(res["last_checkpoint"], weights_only=True)
+    assert ckpt["arch"]["d_in"] == 16  # the imported width, not the configured detector's 2048
+    # the label store the training used was built on the imported store's rows
+    (rec,) = (tmp_path / "w" / "stages").glob("vocab-*.json")
+    labels = json.loads(rec.read_text())["result"]
+    assert labels["features_uri"] == imported
+    assert ZarrFeatures(imported).store.num_rows == len(ds.images)
+    assert "/runs/train-lw-" in res["last_checkpoint"]

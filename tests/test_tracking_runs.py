@@ -23,6 +23,7 @@ from mlflow.exceptions import MlflowException
 from captioning.config import load_config
 from tasks.cache import StageCache
 from tasks.common import RunContext
+from tasks.refs import FeaturesRef, SeqKDRef, StudentFailure, TeacherRef
 from tasks.tracking import OWNER_HOST, OWNER_PID, Tracker, TrackingUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,14 +83,16 @@ def test_a_stage_and_a_student_that_raise_leave_their_runs_failed(tmp_path):
         feats = extract_task.fn(rc, data)
         # the vocab stage starts its run, then finds no feature store: its run must not stay RUNNING
         with pytest.raises(Exception, match="missing"):
-            vocab_task.fn(rc, data, {"uri": str(tmp_path / "missing.zarr"), "digest": "0" * 64})
+            vocab_task.fn(rc, data, FeaturesRef(run_id="", uri=str(tmp_path / "missing.zarr"), digest="0" * 64,
+                                                ok=0, rejected=0))
         labels = vocab_task.fn(rc, data, feats)
         # SATIC starts its run, then cannot read the teacher checkpoint it is initialised from: reported, not
         # raised (the other students go on), and its run ends FAILED
-        teacher = {"checkpoint": str(tmp_path / "no-teacher.pt"), "checkpoint_digest": "1" * 64, "run_id": ""}
-        kd = {"labels_digest": labels["labels_digest"], "source": "seqkd:none"}
+        teacher = TeacherRef(run_id="", checkpoint=str(tmp_path / "no-teacher.pt"), checkpoint_digest="1" * 64,
+                             best_val_cider=0.0)
+        kd = SeqKDRef(run_id="", source="seqkd:none", labels_digest=labels.labels_digest)
         res = student_task.fn(rc, "satic", data, feats, labels, teacher, kd, False)
-        assert "error" in res
+        assert isinstance(res, StudentFailure) and "no-teacher.pt" in res.error
     runs = tr.client.search_runs([tr.experiment_id])
     status: dict[str, list[str]] = {}
     for r in runs:

@@ -16,6 +16,7 @@ from captioning.data.stores import OK, FeatureStore, LabelStore, StoreError
 from captioning.training import checkpoint
 from flows.cli import main
 from tasks.cache import StageCache, StageRecordError
+from tasks.refs import FeaturesRef, LabelsRef, SeqKDRef, StudentResult, TeacherRef
 from tasks.verify import features_intact
 
 
@@ -44,15 +45,16 @@ def _truncate(path: Path, keep: float = 0.5) -> None:
 # ---------------------------------------------------------------------- stage records and checkpoints
 def test_truncated_stage_record_names_the_file_and_the_repair(tmp_path):
     cache = StageCache(tmp_path)
-    cache.put("vocab", "k" * 64, {"run_id": "r", "labels_uri": "x"})
-    assert cache.get("vocab", "k" * 64) == {"run_id": "r", "labels_uri": "x"}
+    ref = SeqKDRef(run_id="r", source="seqkd:1", labels_digest="x")
+    cache.put("vocab", "k" * 64, ref)
+    assert cache.get("vocab", "k" * 64, SeqKDRef) == ref
     path = cache.path("vocab", "k" * 64)
     _truncate(path)
     with pytest.raises(StageRecordError, match=rf"{path} is damaged.*capflow verify --repair {tmp_path}"):
-        cache.get("vocab", "k" * 64)
+        cache.get("vocab", "k" * 64, SeqKDRef)
     path.write_text("[1, 2]", encoding="utf-8")  # parses, but is no record
     with pytest.raises(StageRecordError, match="not a stage record"):
-        cache.get("vocab", "k" * 64)
+        cache.get("vocab", "k" * 64, SeqKDRef)
     assert issubclass(StageRecordError, StoreError)  # the CLI prints it as an error (exit 2), no traceback
 
 
@@ -96,11 +98,19 @@ def workdir(tmp_path):
                       np.arange(5), np.zeros(5), chunk=2)
     ckpt = checkpoint.save(w / "runs" / "teacher-1" / "best.pt", model=torch.nn.Linear(4, 3), arch={})
     cache = StageCache(w)
-    cache.put("extract", "e" * 64, {"uri": feats.uri, "digest": feats.manifest()["digest"]})
-    cache.put("vocab", "v" * 64, {"labels_uri": labels, "labels_digest": "x"})
-    cache.put("seqkd", "s" * 64, {"source": "seqkd:1", "labels_digest": "y"})
-    cache.put("teacher", "t" * 64, {"checkpoint": str(ckpt), "checkpoint_digest": "0" * 64})  # stale digest
-    cache.put("student-lw", "l" * 64, {"checkpoint": str(w / "models" / "lw" / "model.pt")})
+    cache.put("extract", "e" * 64, FeaturesRef(run_id="", uri=feats.uri, digest=feats.manifest()["digest"], ok=5,
+                                               rejected=0))
+    cache.put("vocab", "v" * 64, LabelsRef(run_id="", vocab_path=str(w / "runs" / "vocab-1" / "vocab.json"),
+                                           labels_uri=labels, labels_digest="x", vocab_digest="v",
+                                           features_uri=feats.uri, features_digest="f"))
+    cache.put("seqkd", "s" * 64, SeqKDRef(run_id="", source="seqkd:1", labels_digest="y"))
+    cache.put("teacher", "t" * 64, TeacherRef(run_id="", checkpoint=str(ckpt), checkpoint_digest="0" * 64,
+                                              best_val_cider=0.0))  # stale digest
+    lw = w / "models" / "lw"
+    cache.put("student-lw", "l" * 64, StudentResult(
+        student="lw", preset="lw-1x", run_id="", metrics={}, params=1, latency_ms=1.0, novel_fraction=0.0,
+        avg_length=1.0, unique_fraction=1.0, model_version=None, test_set="t", checkpoint=str(lw / "model.pt"),
+        predictions=str(lw / "predictions.json"), references=str(lw / "references.json")))
     return w, feats.uri, labels, ckpt, cache
 
 

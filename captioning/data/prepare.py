@@ -18,6 +18,7 @@ from captioning.config import PipelineConfig
 from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, read_karpathy
 from captioning.data.stores import OK, REJECTED, FeatureStore, LabelStore
 from captioning.data.text import Vocabulary, build_vocabulary
+from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def synthetic_dataset(cfg: PipelineConfig, progress: bool = False) -> tuple[Path
     from captioning.data.synthetic import generate_synthetic
 
     s = cfg.dataset.synthetic
-    out = cfg.workdir / "synthetic" / cfg.digest("dataset.synthetic")[:12]
+    out = Workdir.of(cfg).synthetic(cfg.digest("dataset.synthetic"))
     ann = out / "dataset.json"
     done = out / ".complete"
     if not done.exists():
@@ -51,7 +52,7 @@ def ingest(cfg: PipelineConfig, progress: bool = False) -> Dataset:
     ds = read_karpathy(
         ann, images, max_words=d.max_words, restval_split=d.restval_split, image_check=d.image_check,
         max_reject_fraction=d.max_reject_fraction, hash_workers=d.hash_workers,
-        hash_cache=cfg.workdir / "cache" / "file_hashes.json", progress=progress,
+        hash_cache=Workdir.of(cfg).file_hashes(), progress=progress,
     )
     counts = {s: len(ds.split(s)) for s in ("train", "val", "test")}
     missing = [s for s in ("train", "val", "test") if not counts.get(s)]
@@ -106,13 +107,15 @@ def build_labels(
     )
 
 
-def vocab_and_labels(cfg: PipelineConfig, ds: Dataset, image_rows: dict[int, int] | None = None) -> LabelResult:
-    """Vocabulary from the train split, ``vocab.json`` and ``labels.zarr`` in the workdir."""
+def vocab_and_labels(cfg: PipelineConfig, ds: Dataset, image_rows: dict[int, int] | None = None,
+                     out: str | Path | None = None) -> LabelResult:
+    """Vocabulary from the train split -> ``<out>/vocab.json`` and ``<out>/labels.zarr`` (default out: the vocab
+    stage's folder for this dataset, :meth:`captioning.workdir.Workdir.stage_dir`)."""
     train = list(ds.captions("train"))
     if not train:
         raise DatasetError("the dataset has no train captions to build a vocabulary from")
     vocab = build_vocabulary(train, cfg.vocab.min_count, cfg.vocab.radix_base)
-    out = cfg.workdir / "labels"
+    out = Path(out) if out is not None else Workdir.of(cfg).stage_dir("vocab", ds.digest)
     vocab_path = vocab.save(out / "vocab.json")
     uri = str(out / "labels.zarr")
     store = build_labels(ds, vocab, uri, cfg.dataset.max_words, image_rows)

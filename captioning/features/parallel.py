@@ -29,6 +29,7 @@ import numpy as np
 from captioning.config import ExtractorConfig, FeaturesConfig, PipelineConfig
 from captioning.data.karpathy import Dataset
 from captioning.data.stores import OK, PENDING, REJECTED, FeatureStore, StoreError
+from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,16 @@ def store_uri(cfg: PipelineConfig) -> str:
                                                            "compressor")}}, sort_keys=True)
         return f"{base}/informative-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
     return f"{base}/{store_key(cfg.features)}.zarr"
+
+
+def imported_store_uri(cfg: PipelineConfig, att_dir: str | Path, box_dir: str | Path, image_ids: list[int]) -> str:
+    """Where ``capflow import-features`` puts a store imported from per-image ``.npy`` folders: in the same
+    feature-store folder as extracted stores, named by its sources, image ids and layout settings."""
+    f = cfg.features
+    ident = json.dumps({"att": str(Path(att_dir).resolve()), "box": str(Path(box_dir).resolve()), "ids": image_ids,
+                        **{k: getattr(f, k) for k in ("max_boxes", "feature_dim", "chunk_rows", "dtype",
+                                                      "compressor")}}, sort_keys=True)
+    return f"{cfg.feature_store_uri().rstrip('/')}/imported-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
 
 
 # ---------------------------------------------------------------------- chunk work (runs on workers)
@@ -445,7 +456,7 @@ def extract_features(
     ex_json = effective_config(f.extractor).model_dump_json()
     n_workers = f.workers if workers is None else workers
     threads = threads_per_worker or f.extractor.threads
-    args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, str(cfg.workdir / "cache" / "weights"))
+    args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, str(Workdir.of(cfg).weights_cache()))
     skipped = store.num_chunks - len(todo)
     extracted = 0
     bar = tqdm(total=sum(len(items) for _, items in todo), desc="extracting", unit="img", disable=not progress)

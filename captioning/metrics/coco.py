@@ -150,6 +150,13 @@ def load_references(path: str | Path) -> dict[int, list[str]]:
     return refs
 
 
+def references_document(refs: Mapping[int, Sequence[str]]) -> dict[str, Any]:
+    """``{image_id: [captions]}`` -> the COCO-format annotation document that :func:`load_references` reads."""
+    ids = sorted(int(i) for i in refs)
+    anns = [{"image_id": i, "id": n, "caption": c} for n, (i, c) in enumerate((i, c) for i in ids for c in refs[i])]
+    return {"images": [{"id": i} for i in ids], "annotations": anns, "type": "captions", "info": {}, "licenses": []}
+
+
 def load_results(path: str | Path, references: Mapping[int, Sequence[str]] | None = None, *,
                  duplicates: str = "error") -> dict[int, str]:
     """Generated captions from a COCO results file ``[{"image_id": int, "caption": str}, ...]``.

@@ -186,3 +186,84 @@ def evaluate(ctx: StageContext, model: Captioner, *, split: str = "test", arch_n
         max_tokens=ctx.max_tokens(model), beam=ctx.cfg.evaluation.beam, train_captions=ctx.train_captions(),
         params_convention=params_convention(arch_name), spice_jars=ctx.cfg.evaluation.spice_jars,
         latency_images=latency_images, device=ctx.device, progress=ctx.progress, precision=ctx.precision)
+
+
+# ---------------------------------------------------------------------- one model, one or N processes
+@dataclass(frozen=True)
+class TrainSpec:
+    """What to train: ``model`` is ``teacher`` (AIC, ``teacher.*`` settings) or a student family / registry preset
+    (``students.*`` settings); XE on ``captions``, or SCST from ``scst_from`` (an XE checkpoint). Checkpoints go to
+    ``out`` (a killed run resumes from ``out/last.pt``)."""
+    model: str
+    vocab_path: str
+    labels_uri: str
+    features_uri: str
+    out: str
+    captions: str = "ground_truth"
+    seqkd_source: str | None = None
+    init_from: str | None = None
+    scst_from: str | None = None
+    dataset_path: str | None = None  # full reference captions for validation (else the label store's)
+
+    @property
+    def is_teacher(self) -> bool:
+        return self.model in ("teacher", "aic")
+
+
+def _spec_context(cfg: PipelineConfig, spec: TrainSpec, progress: bool) -> StageContext:
+    ds = Dataset.load(spec.dataset_path) if spec.dataset_path else None
+    return StageContext.from_paths(cfg, spec.vocab_path, spec.labels_uri, spec.features_uri, ds, progress=progress)
+
+
+def _fit(ctx: StageContext, spec: TrainSpec, on_epoch: EpochFn | None) -> TrainResult:
+    cfg = ctx.cfg
+    if spec.scst_from:
+        _, res = fit_scst(ctx, spec.scst_from, spec.out, settings=scst_settings(cfg.students.scst, cfg),
+                          on_epoch=on_epoch)
+        return res
+    from captioning.training.recipe import student_arch, teacher_arch
+
+    if spec.is_teacher:
+        arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+    else:
+        arch = student_arch(spec.model, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+    xe = cfg.teacher.xe if spec.is_teacher else cfg.students.xe
+    _, res, _ = fit_xe(ctx, arch, spec.out, settings=xe_settings(xe, cfg), captions=spec.captions,
+                       seqkd_source=spec.seqkd_source, init_from=spec.init_from, on_epoch=on_epoch)
+    return res
+
+
+def _result_json(res: TrainResult, world: int) -> dict[str, Any]:
+    return {"best_metric": res.best_metric, "best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
+            "resumed_from_epoch": res.resumed_from_epoch, "history": res.history, "processes": world,
+            "best_checkpoint": str(res.best_checkpoint) if res.best_checkpoint else None,
+            "last_checkpoint": str(res.last_checkpoint)}
+
+
+def train_rank(rank: int, world: int, cfg_json: str, spec_json: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """One data-parallel process of :func:`run_training` (what :func:`captioning.training.ddp.launch` runs)."""
+    from captioning.training.ddp import rank_device
+
+    cfg = PipelineConfig.model_validate_json(cfg_json)
+    ctx = _spec_context(cfg, TrainSpec(**spec_json), progress and rank == 0)
+    ctx.device = rank_device()
+    return _result_json(_fit(ctx, TrainSpec(**spec_json), None), world)
+
+
+def run_training(cfg: PipelineConfig, spec: TrainSpec, *, nproc: int = 1, on_epoch: EpochFn | None = None,
+                 progress: bool = False) -> dict[str, Any]:
+    """Train one model as ``spec`` says, in this process (``nproc`` 1; ``on_epoch`` sees every epoch) or in
+    ``nproc`` data-parallel processes (torch DDP on this machine: one GPU per process on CUDA, gloo on CPU; the
+    epochs are returned in ``history``). Returns best/last checkpoints, best metric and epoch, history."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if nproc == 1:
+        ctx = _spec_context(cfg, spec, progress)
+        return _result_json(_fit(ctx, spec, on_epoch), 1)
+    from dataclasses import asdict
+
+    from captioning.training.ddp import launch
+
+    device = resolve_device(cfg.run.device)
+    return launch(train_rank, nproc, cfg.model_dump_json(), asdict(spec), progress,
+                  device="cuda" if device.type == "cuda" else "cpu")

@@ -1,5 +1,5 @@
-"""``capflow import-checkpoint`` (flows.import_cli): a released checkpoint -> a model folder that loads as the
-captioner loads one and gives the released log-probs; errors are CLIErrors (exit status 2)."""
+"""``capflow import-checkpoint`` (flows.cli.import_checkpoint): a released checkpoint -> a model folder that
+loads as the captioner loads one and gives the released log-probs; errors are CLIErrors (exit status 2)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from captioning.inference import model_files, read_meta
 from captioning.models.encoder_decoder import ArchConfig
 from captioning.models.registry import build
 from captioning.training import checkpoint
-from flows.cli import CLIError, _config_args
-from flows.import_cli import add_import_command
+from flows.cli import CLIError
+from flows.cli.common import config_args as _config_args
+from flows.cli.import_checkpoint import add_import_command
 from tests.models.test_importers import D_IN, WORDS, H, _capflow_ids, released_logprobs, released_state_dict
 
 

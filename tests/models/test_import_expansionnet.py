@@ -220,8 +220,8 @@ def test_cli_writes_an_expansionnet_model_folder(tmp_path, capsys):
     from captioning.models.encoder_decoder import ArchConfig
     from captioning.models.registry import build
     from captioning.training import checkpoint
-    from flows.cli import _config_args
-    from flows.import_cli import add_import_command
+    from flows.cli.common import config_args as _config_args
+    from flows.cli.import_checkpoint import add_import_command
 
     sd = released_state_dict(seed=4)
     torch.save({"model_state_dict": sd}, tmp_path / "ckpt.pth")

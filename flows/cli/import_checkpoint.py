@@ -18,13 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flows.cli import CLIError
+from flows.cli.common import CLIError
 
 
 def cmd_import_checkpoint(args: argparse.Namespace) -> int:
     from captioning.config import load_config
     from captioning.models.importers import ImportCheckpointError, import_checkpoint
     from captioning.training.checkpoint import MODEL_FILE, save_model_dir
+    from captioning.workdir import Workdir
 
     for flag, path in (("CKPT", args.ckpt), ("--vocab", args.vocab)):
         p = Path(path)
@@ -57,7 +58,7 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
     folder = save_model_dir(
         out, model=model, arch=model.cfg.to_dict(), vocab=vocab, features=cfg.features.model_dump(mode="json"),
         student=args.family, preset=f"{args.family}@released", max_words=cfg.dataset.max_words,
-        beam=cfg.evaluation.beam, weights_cache_dir=cfg.workdir / "cache" / "weights")
+        beam=cfg.evaluation.beam, weights_cache_dir=Workdir.of(cfg).weights_cache())
     summary: dict[str, Any] = {
         "model_dir": str(folder), "family": args.family, "checkpoint": str(args.ckpt),
         "params": sum(p.numel() for p in model.parameters()), "words": len(vocab.words),

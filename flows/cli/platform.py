@@ -74,7 +74,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from flows.cli import parse_students
+    from flows.cli.common import parse_students
     from flows.deployments import deploy
     from flows.pipeline import build_config
 

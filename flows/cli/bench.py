@@ -1,0 +1,107 @@
+"""``capflow bench NAME``: the benchmarks (:mod:`captioning.bench`), each printing its rows and ratios against the
+anchor measured in the same run (with ``--json`` one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from flows.cli.common import CLIError
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.name == "loader":
+        from captioning.bench.loader import run
+
+        result = run(images=args.images or 1000, batch_size=args.batch_size or 50, max_boxes=args.max_boxes,
+                     chunk_rows=args.chunk_rows, workers=args.workers, repeats=args.repeats or 2, epochs=args.epochs,
+                     workdir=args.tmp)
+    elif args.name == "extract":
+        from captioning.bench.extract import run as run_extract
+
+        if args.device.startswith("cuda"):
+            from captioning.bench.extract import run_gpu
+
+            result = run_gpu(images=args.images or 1080, preset=args.preset or "coco",
+                             overrides=tuple(args.overrides), images_dir=args.images_dir, workdir=args.tmp,
+                             device=args.device)
+        else:
+            result = run_extract(images=args.images or 48, preset=args.preset or "demo",
+                                 overrides=tuple(args.overrides), threads=args.threads, workdir=args.tmp)
+    elif args.name == "cider":
+        from captioning.bench.cider import run as run_cider
+
+        ext_dir = args.external or os.environ.get("CAPFLOW_EXTERNAL")
+        if not ext_dir:
+            raise CLIError("bench cider needs the external COCO material: --external DIR or CAPFLOW_EXTERNAL")
+        ext = Path(ext_dir)
+        result = run_cider(ext / "coco_eval" / "karpathy_test_refs.json",
+                           ext / "model_outputs" / "acort_karpathy_test.json",
+                           batch_images=args.batch_size or 50, samples=5, repeats=args.repeats or 3,
+                           images=args.images)
+    elif args.name == "decode":
+        from captioning.bench.decode import run as run_decode
+
+        names = args.presets.split(",") if args.presets else None
+        result = run_decode(names=names, repeats=args.repeats or 5, device=args.device, threads=args.threads_decode)
+    elif args.name == "train":
+        from captioning.bench.train import run as run_train
+
+        result = run_train(families=args.presets.split(",") if args.presets else None, device=args.device,
+                           batch=args.batch_size, steps=args.repeats, precision=args.precision,
+                           compile=args.compile, graphs=args.graphs, quick=args.quick)
+    elif args.name == "learning":
+        from captioning.bench.learning import run as run_learning
+
+        result = run_learning(preset=args.preset or "learning", overrides=tuple(args.overrides), workdir=args.tmp,
+                              progress=not args.json)
+    else:  # pragma: no cover - argparse restricts choices
+        raise CLIError(f"unknown bench {args.name}")
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        for r in result["rows"]:
+            print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        for k, v in result["ratios"].items():
+            target = result.get("targets", {}).get(k)
+            print(f"{k}: {v:.2f}" + (f" (target >= {target})" if target else ""))
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
+                       description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
+    b.add_argument("name", choices=["loader", "extract", "decode", "cider", "learning", "train"],
+                   help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
+                   "decode: greedy latency/throughput of every architecture vs AIC; "
+                   "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs; "
+                   "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline; "
+                   "train: XE/SCST images/s of every family at paper size, fast path vs fp32 eager")
+    b.add_argument("--external", help="cider: folder of the external COCO material (default: $CAPFLOW_EXTERNAL)")
+    b.add_argument("--device", default="cpu", help="decode, train: torch device (cpu, cuda); extract: cuda runs "
+                   "the GPU benchmark (coco settings, image files -> Zarr, vs the reference path)")
+    b.add_argument("--images-dir", help="extract --device cuda: real images to replicate (default: synthetic)")
+    b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
+    b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
+    b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo); "
+                   "learning: training preset (default learning)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extract, learning: config overrides")
+    b.add_argument("--threads", type=int, default=1, help="extract: torch threads per model")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48)")
+    b.add_argument("--batch-size", type=int, help="images per batch (loader, cider; default 50)")
+    b.add_argument("--max-boxes", type=int, default=100, help="B_max (boxes per image drawn from 10..B_max)")
+    b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")
+    b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    b.add_argument("--repeats", type=int, help="timed passes (loader default 2, decode default 5)")
+    b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
+    b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
+    b.add_argument("--quick", action="store_true", help="train: small models and batches (a quick CPU check)")
+    b.add_argument("--compile", action="store_true", help="train: add torch.compile'd XE rows")
+    b.add_argument("--graphs", action="store_true", help="train: add CUDA-graph-captured XE rows (run.compile=graphs)")
+    b.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="train: precision of the fast path (auto: bf16 on CUDA where supported)")
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,55 @@
+"""What every ``capflow`` command shares: the configuration options, user-facing errors, JSON output, and the
+single-stage commands' run context (the pipeline's workdir layout and stage records, no MLflow runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from captioning.config import PipelineConfig, load_config, preset_names
+
+
+class CLIError(Exception):
+    """A user-facing error: printed without a traceback, exit status 2."""
+
+
+def config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("configuration")
+    g.add_argument("--preset", help=f"named preset ({', '.join(preset_names())})")
+    g.add_argument("--config", metavar="FILE", help="YAML config file")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting, e.g. --set dataset.max_reject_fraction=0.05 (repeatable)")
+
+
+def pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The pipeline flow's own parameters besides the configuration (capflow run, capflow deploy)."""
+    p.add_argument("--students", help="comma-separated students (default: students.names of the config)")
+    p.add_argument("--no-scst", action="store_true", help="skip SCST fine-tuning")
+
+
+def parse_students(text: str | None) -> list[str] | None:
+    """``--students a,b`` -> ["a", "b"]; not given -> None (the config's students.names). Given but naming no
+    student (``--students ""``, ``--students ,``) is an error, not "all of them"."""
+    if text is None:
+        return None
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise CLIError(f"--students {text!r} names no student: give comma-separated names (e.g. --students "
+                       "acort,lw) or leave --students out to train students.names of the config")
+    return names
+
+
+def load_cfg(args: argparse.Namespace) -> PipelineConfig:
+    return load_config(args.preset, args.config, args.overrides)
+
+
+def local_context(args: argparse.Namespace, progress: bool = True):
+    """The run context of a single-stage command (:meth:`tasks.common.RunContext.local`)."""
+    from tasks.common import RunContext
+
+    return RunContext.local(load_cfg(args), progress=progress)
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str, ensure_ascii=False))

@@ -1,0 +1,188 @@
+"""``capflow ingest | extract | import-features | vocab``: the data stages alone, through the pipeline's jobs
+(:mod:`tasks.data`), so they write the pipeline's workdir layout and stage records."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from flows.cli.common import CLIError, config_args, local_context, print_json
+
+log = logging.getLogger("capflow")
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from captioning.data.karpathy import Dataset
+    from tasks.data import ingest
+
+    ref = ingest(local_context(args, progress=not args.json))
+    ds = Dataset.load(ref.path)
+    summary = ds.summary()
+    if args.json:
+        print_json({k: summary[k] for k in ("images", "captions", "splits", "rejected", "digest")}
+                   | {"dropped_captions": summary["dropped_captions"], "entries": ds.entries,
+                      "files_checked": ds.files_checked, "output": ref.path, "rejects": ref.rejects_path})
+        return 0
+    print(f"ingested {summary['images']} images, {summary['captions']} captions from {ds.source}")
+    print("splits: " + ", ".join(f"{k} {v}" for k, v in summary["splits"].items()))
+    print(f"rejected {len(ds.rejected)} entries, dropped {len(ds.dropped_captions)} captions "
+          f"(list: {ref.rejects_path})")
+    for r in ds.rejected:
+        print(f"  images[{r.entry}] image_id={r.image_id} {r.file}: {r.reason}")
+    print(f"dataset {ref.path}\ndigest {ds.digest}")
+    return 0
+
+
+def cmd_vocab(args: argparse.Namespace) -> int:
+    from captioning.data.text import Vocabulary
+    from tasks.data import MissingStageError, features_for, features_of_store, ingest, vocab
+
+    rc = local_context(args, progress=not args.json)
+    data = ingest(rc)
+    if args.features:
+        feats = features_of_store(args.features)
+    else:
+        try:
+            feats = features_for(rc, data)
+        except MissingStageError:
+            feats = None  # rows in the dataset's own order; `capflow train` needs a feature store
+    ref = vocab(rc, data, feats)
+    v = Vocabulary.load(ref.vocab_path)
+    radix = v.radix()
+    info = {"vocab": ref.vocab_path, "words": len(v.words), "ids": len(v), "min_count": v.min_count,
+            "radix": {"base": radix.base, "digits": radix.digits, "size": radix.size}, "labels": ref.labels_uri,
+            "captions": ref.captions, "vocab_digest": ref.vocab_digest, "dataset_digest": data.digest,
+            "features": ref.features_uri}
+    if args.json:
+        print_json(info)
+    else:
+        print(f"vocabulary: {info['words']} words (count >= {info['min_count']}) -> {info['vocab']}")
+        print(f"radix: base {radix.base}, {radix.digits} digits per word, {radix.size} output classes")
+        print(f"label store: {info['captions']} captions -> {info['labels']}"
+              + (f" (rows of {ref.features_uri})" if ref.features_uri else " (dataset order: no feature store)"))
+    return 0
+
+
+def cmd_import_features(args: argparse.Namespace) -> int:
+    from tasks.data import MissingStageError, import_features
+
+    root = Path(args.npy_root) if args.npy_root else None
+    att = Path(args.att_dir) if args.att_dir else (root / "cocobu_att" if root else None)
+    box = Path(args.box_dir) if args.box_dir else (root / "cocobu_box_relative" if root else None)
+    if att is None or box is None:
+        raise CLIError("give --npy-root (with cocobu_att/ and cocobu_box_relative/) or --att-dir and --box-dir")
+    for d in (att, box):
+        if not d.is_dir():
+            raise CLIError(f"{d} is not a folder")
+    try:
+        ref = import_features(local_context(args, progress=not args.json), att, box, uri=args.out,
+                              overwrite=args.overwrite)
+    except MissingStageError as e:
+        raise CLIError(str(e)) from None
+    from captioning.data.stores import FeatureStore
+
+    summary = FeatureStore.open(ref.uri).summary()
+    if args.json:
+        print_json({**summary, "store": ref.uri})
+    else:
+        print(f"imported {summary['ok']} of {summary['images']} images into {ref.uri} "
+              f"(boxes min {summary['boxes']['min']} mean {summary['boxes']['mean']:.1f} "
+              f"max {summary['boxes']['max']}); rejected {len(summary['rejected'])}")
+        for r in summary["rejected"]:
+            print(f"  image_id={r['image_id']}: {r['reason']}")
+    return 0
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from captioning.data.stores import FeatureStore
+    from captioning.features.parallel import store_uri
+    from tasks.data import extract, ingest
+
+    rc = local_context(args, progress=not args.json)
+    data = ingest(rc)
+    uri = args.out or store_uri(rc.cfg)
+    if not args.resume:
+        _remove_store(uri)
+    ref = extract(rc, data, uri=uri, workers=args.workers, reuse=False)
+    if rc.cfg.features.source == "synthetic-informative":
+        st = FeatureStore.open(ref.uri)
+        if args.json:
+            print_json({"store": st.uri, "source": "synthetic-informative", **st.summary()})
+        else:
+            print(f"feature store (synthetic-informative): {st.uri}, {st.num_rows} images")
+        return 0
+    res = ref.report
+    if args.json:
+        print_json(res)
+        return 0
+    b = res["boxes"]
+    print(f"feature store: {res['store']}")
+    print(f"images {res['images']}: ok {res['ok']}, rejected {len(res['rejected'])}; extracted now "
+          f"{res['extracted']} ({res['skipped_chunks']} chunks already done, {res['appended']} rows added)")
+    print(f"boxes per image: min {b['min']} mean {b['mean']:.1f} max {b['max']}; "
+          f"{res['seconds_per_image']:.3f} s per extracted image")
+    for r in res["rejected"]:
+        print(f"  rejected image_id={r['image_id']}: {r['reason']}")
+    for r in res["reextracted"]:
+        print(f"  re-extracted chunk {r['chunk']} (rows {r['rows'][0]}..{r['rows'][1] - 1}): {r['problem']}: "
+              f"{', '.join(r['files'])}")
+    return 0
+
+
+def _remove_store(uri: str) -> None:
+    import fsspec
+
+    from captioning.data.stores import storage_options_for
+
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options_for(uri) or {}))
+    if fs.exists(path):
+        log.warning("removing %s (--no-resume)", uri)
+        fs.rm(path, recursive=True)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    i = sub.add_parser("ingest", help="read and validate the dataset", description=(
+        "Read and validate the Karpathy-format dataset (dataset.annotations + dataset.images, or the synthetic "
+        "dataset when no annotations are set); write the normalised dataset and the reject list to the workdir "
+        "(datasets/dataset-<digest>.json, datasets/rejects-<digest>.json)."))
+    config_args(i)
+    i.add_argument("--json", action="store_true", help="print a JSON summary")
+    i.set_defaults(func=cmd_ingest)
+
+    v = sub.add_parser("vocab", help="build the vocabulary and the label store", description=(
+        "Build vocab.json from the train split (count >= vocab.min_count) and labels.zarr with every caption, "
+        "aligned to the rows of the workdir's feature store (the one `capflow extract`, `capflow import-features` "
+        "or `capflow run` recorded) or of --features."))
+    config_args(v)
+    v.add_argument("--features", metavar="URI", help="feature store whose rows the labels point at "
+                   "(default: the recorded one; none: the dataset's own order)")
+    v.add_argument("--json", action="store_true", help="print a JSON summary")
+    v.set_defaults(func=cmd_vocab)
+
+    f = sub.add_parser("import-features", help="import per-image .npy features into a feature store",
+                       description=("Import bottom-up features in the per-image .npy layout (cocobu_att/{id}.npy, "
+                                    "cocobu_box_relative/{id}.npy) into a Zarr feature store in the feature-store "
+                                    "folder (features.store), recorded so that `capflow vocab` and `capflow train` "
+                                    "use it. Image ids come from dataset.annotations when set, else from the file "
+                                    "names."))
+    config_args(f)
+    f.add_argument("--npy-root", help="folder holding cocobu_att/ and cocobu_box_relative/")
+    f.add_argument("--att-dir", help="folder of {image_id}.npy region features (N x D)")
+    f.add_argument("--box-dir", help="folder of {image_id}.npy relative boxes (N x 4)")
+    f.add_argument("--out", metavar="URI", help="store to write (default: <features.store>/imported-<digest>.zarr)")
+    f.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    f.add_argument("--json", action="store_true", help="print a JSON summary")
+    f.set_defaults(func=cmd_import_features)
+
+    x = sub.add_parser("extract", help="extract region features into the feature store", description=(
+        "Extract bottom-up region features (detectron2 Faster R-CNN, C4 backbone) for every dataset image into a "
+        "chunked Zarr store, in parallel on Dask. Re-running resumes: finished chunks are skipped and new images "
+        "are appended; other extractor settings or weights make a new store."))
+    config_args(x)
+    x.add_argument("--workers", type=int, help="Dask worker processes (default features.workers; 0 = no Dask)")
+    x.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="continue the store of these settings (default); --no-resume deletes it and starts over")
+    x.add_argument("--out", metavar="URI", help="store URI (default: <features.store>/<settings digest>.zarr)")
+    x.add_argument("--json", action="store_true", help="print a JSON summary")
+    x.set_defaults(func=cmd_extract)

@@ -1,0 +1,57 @@
+"""``capflow run``: the whole pipeline as a Prefect flow (:mod:`flows.pipeline`), recorded in MLflow."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from flows.cli.common import CLIError, config_args, parse_students, pipeline_args, print_json
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if os.environ.get("PREFECT_HOME"):  # Prefect's local server cannot create its database in a missing folder
+        Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
+    from flows.pipeline import PrefectUnavailable, build_config, pipeline, start_prefect_api
+    from tasks.tracking import TrackingUnavailable, preflight, tracking_uri
+
+    students = parse_students(args.students)
+    try:
+        cfg = build_config(args.preset or ("demo" if not args.config else None), args.config, args.overrides,
+                           students, not args.no_scst)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    try:
+        preflight(tracking_uri(cfg))  # an unreachable tracking server: a clear error before anything starts
+        start_prefect_api()  # Prefect's temporary server (no PREFECT_API_URL): its failure named, with a way out
+        res = pipeline(preset=args.preset or ("demo" if not args.config else None), config_path=args.config,
+                       overrides=list(args.overrides), students=students, scst=not args.no_scst)
+    except (TrackingUnavailable, PrefectUnavailable) as e:
+        raise CLIError(str(e)) from None
+    if args.json:
+        print_json(res)
+        return 0 if not res["failed"] else 1
+    from tasks.report import markdown
+
+    print()
+    print(markdown(res["leaderboard"], res["failed"]))
+    ch = res["champion"]
+    print(f"champion: {cfg.tracking.model_name} v{ch['version']} ({ch['reason']})")
+    cached = [k for k, v in res["stages"].items() if v == "cached"]
+    if cached:
+        print(f"cached stages: {', '.join(cached)}")
+    print(f"MLflow run {res['mlflow_run_id']} in {res['tracking_uri']}")
+    if res["tracking_uri"].startswith("sqlite:"):
+        print(f"  look next: mlflow ui --backend-store-uri {res['tracking_uri']} --host 127.0.0.1 --port 5000")
+    return 0 if not res["failed"] else 1
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="run the whole pipeline (Prefect flow, MLflow tracking)", description=(
+        "Run the DAG ingest -> extract -> vocab -> teacher -> SeqKD -> students -> SCST -> evaluation -> "
+        "leaderboard -> promotion as a Prefect flow, recording everything in MLflow. Finished stages are cached; "
+        "a killed run resumes. Honours PREFECT_API_URL and MLFLOW_TRACKING_URI."))
+    config_args(r)
+    pipeline_args(r)
+    r.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    r.set_defaults(func=cmd_run)

@@ -1,0 +1,109 @@
+"""The pipeline's edges as pure functions: typed stage results through the cache, stage-key invalidation, the
+leaderboard ranking and the promotion decision (no servers, seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.cache import StageCache, stage_key
+from tasks.refs import (
+    DatasetRef,
+    FeaturesRef,
+    LabelsRef,
+    Promotion,
+    RecordMismatch,
+    SeqKDRef,
+    StudentFailure,
+    StudentResult,
+    TeacherRef,
+)
+from tasks.report import decide_promotion, leaderboard_rows, markdown, rank
+
+REFS = [
+    DatasetRef(run_id="r1", path="/w/datasets/dataset-ab.json", digest="ab" * 32, images=40, captions=200,
+               rejected_images=2, dropped_captions=1, splits={"train": 30, "val": 4, "test": 4},
+               rejects_path="/w/datasets/rejects-ab.json"),
+    FeaturesRef(run_id="r2", uri="s3://b/f.zarr", digest="cd" * 32, ok=38, rejected=2,
+                report={"extracted": 38, "rejected": [{"image_id": 7, "reason": "corrupt"}]}),
+    LabelsRef(run_id="r3", vocab_path="/w/runs/vocab-1/vocab.json", labels_uri="/w/runs/vocab-1/labels.zarr",
+              labels_digest="ef" * 32, vocab_digest="01" * 32, features_uri=None, features_digest=None),
+    TeacherRef(run_id="r4", checkpoint="/w/runs/teacher-1/best.pt", checkpoint_digest="23" * 32,
+               best_val_cider=0.5),
+    SeqKDRef(run_id="r5", source="seqkd:232323232323", labels_digest="45" * 32, report={"captions": 30}),
+    StudentResult(student="lw", preset="lw-1x", run_id="r6", metrics={"CIDEr": 0.4, "SPICE": None}, params=10,
+                  latency_ms=1.5, novel_fraction=0.1, avg_length=8.0, unique_fraction=0.9, model_version="3",
+                  test_set="ab" * 32, checkpoint="/w/m/model.pt", predictions="/w/p.json", references="/w/r.json"),
+    StudentFailure(student="acort", error="RuntimeError: boom", traceback="..."),
+    Promotion(changed=True, reason="no champion yet", champion_version="3", candidate="lw", candidate_version="3",
+              candidate_cider=0.4),
+]
+
+
+@pytest.mark.parametrize("ref", REFS, ids=lambda r: type(r).__name__)
+def test_typed_results_round_trip_through_the_stage_cache(tmp_path, ref):
+    cache = StageCache(tmp_path)
+    key = stage_key("some-stage", x=1)
+    cache.put("some-stage", key, ref)
+    got = cache.get("some-stage", key, type(ref))
+    assert got == ref and type(got) is type(ref)
+    # the record on disk is plain JSON
+    doc = json.loads(cache.path("some-stage", key).read_text())
+    assert doc["stage"] == "some-stage" and doc["key"] == key and doc["result"] == ref.to_record()
+    assert cache.latest("some-stage", type(ref)) == ref
+
+
+def test_a_record_of_another_shape_is_a_miss_not_a_keyerror(tmp_path):
+    cache = StageCache(tmp_path)
+    key = stage_key("vocab", x=1)
+    cache.put("vocab", key, REFS[4])  # a SeqKDRef where a LabelsRef is expected
+    assert cache.get("vocab", key, LabelsRef) is None
+    with pytest.raises(RecordMismatch, match=r"missing .*labels_uri"):
+        LabelsRef.from_record(REFS[4].to_record())
+    assert cache.get("vocab", stage_key("vocab", x=2), LabelsRef) is None  # another key: a miss
+
+
+def test_stage_key_changes_with_every_part_and_the_stage_only():
+    base = stage_key("teacher", features="f", labels="l", seed=0)
+    assert base == stage_key("teacher", seed=0, labels="l", features="f")  # order does not matter
+    assert len({base, stage_key("teacher", features="f2", labels="l", seed=0),
+                stage_key("teacher", features="f", labels="l", seed=1),
+                stage_key("teacher", features="f", labels="l", seed=0, extra=None),
+                stage_key("seqkd", features="f", labels="l", seed=0)}) == 5
+
+
+def _student(name, cider, params=100, version="1"):
+    return StudentResult(student=name, preset=name, run_id="", metrics={"CIDEr": cider}, params=params,
+                         latency_ms=1.0, novel_fraction=0.0, avg_length=5.0, unique_fraction=0.5,
+                         model_version=version, test_set="t", checkpoint="", predictions="", references="")
+
+
+def test_leaderboard_ranks_by_cider_then_size_then_name_and_lists_failures():
+    results = [_student("a", 0.3), _student("b", 0.5, params=200), _student("c", 0.5, params=100),
+               StudentFailure(student="d", error="ValueError: x"), _student("e", None)]
+    ranked, failed = rank(results)
+    assert [r.student for r in ranked] == ["c", "b", "a", "e"] and [f.student for f in failed] == ["d"]
+    rows = leaderboard_rows(ranked)
+    table = markdown(rows, [{"student": "d", "error": "ValueError: x"}])
+    lines = table.splitlines()
+    assert lines[2].startswith("| 1 | c | c |") and lines[-1] == "| - | d | FAILED: ValueError: x |"
+    assert "| n/a |" in lines[5]  # e has no CIDEr
+
+
+def test_promotion_decision():
+    best = leaderboard_rows([_student("lw", 0.5, version="7")])[0]
+    first = decide_promotion(best, None, {}, "t")
+    assert first.changed and first.champion_version == "7" and first.reason == "no champion yet"
+    same = decide_promotion(best, "7", {"test_set": "t", "test_CIDEr": "0.5"}, "t")
+    assert not same.changed and same.reason == "already champion"
+    better_champion = decide_promotion(best, "3", {"test_set": "t", "test_CIDEr": "0.6"}, "t")
+    assert not better_champion.changed and better_champion.champion_version == "3"
+    tie = decide_promotion(best, "3", {"test_set": "t", "test_CIDEr": "0.5"}, "t")
+    assert not tie.changed  # a tie keeps the champion
+    worse_champion = decide_promotion(best, "3", {"test_set": "t", "test_CIDEr": "0.4"}, "t")
+    assert worse_champion.changed and worse_champion.reason == "better than the current champion"
+    other_set = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.9"}, "t")
+    assert other_set.changed and other_set.reason == "current champion was scored on another test set"
+    nobody = decide_promotion(None, "3", {}, "t")
+    assert not nobody.changed and nobody.champion_version == "3" and nobody.reason == "no student finished"
