@@ -5,11 +5,11 @@ save_model_dir`): ``model.pt`` (a capflow checkpoint, loaded with ``weights_only
 ``capflow.json`` (``{"student", "preset", "features", "max_words", "beam", "test_metrics"}``, ``features`` being
 the config's ``features`` section; real detector weights are in the folder's ``detector/``, named relative to
 the folder with their sha256 - weights outside the folder or without a digest are refused, and ``.pkl`` weights
-are read without unpickling code, :mod:`captioning.safe_pickle`). :class:`Captioner` rebuilds from it exactly
+are read without unpickling code, :mod:`captioning.safe_pickle`). :class:`ImageCaptioner` rebuilds from it exactly
 what produced the model's training features - the same :class:`~captioning.features.extractor.RegionExtractor`
 (detector config, weights, proposals, image sizes, box limits) and the same stored precision (float16 features
 are rounded to float16 before the model sees them, as they were in the feature store) - and decodes with the
-evaluation's code (:func:`captioning.metrics.report.predict`: beam search, radix digits -> words).
+evaluation's code (:func:`captioning.metrics.evaluation.predict`: beam search, radix digits -> words).
 
 Images go through :func:`~captioning.features.images.load_rgb`; a file that cannot be used (missing,
 unreadable, corrupt, too small, too few regions, non-finite features) becomes a rejection record
@@ -38,7 +38,7 @@ from captioning.data.loader import MemoryFeatures
 from captioning.data.text import Vocabulary
 from captioning.features.extractor import RegionExtractor, Regions
 from captioning.features.images import ImageRejected, load_rgb
-from captioning.metrics.report import predict
+from captioning.metrics.evaluation import predict
 from captioning.models.encoder_decoder import ArchConfig
 from captioning.models.registry import build
 from captioning.precision import resolve_precision
@@ -137,7 +137,7 @@ def detector_weights(files: ModelFiles, features: FeaturesConfig) -> str | None:
     return str(path)
 
 
-class Captioner:
+class ImageCaptioner:
     """A model folder ready to caption image files: region extractor + captioning model + vocabulary.
 
     ``device``: torch device for both the extractor and the model (``auto`` = CUDA when present).
@@ -316,5 +316,5 @@ class Captioner:
                              rejected=[{"file": paths[i], "error": r} for i, r in sorted(failed.items())])
 
 
-__all__ = ["CaptionResult", "Captioner", "CaptionerError", "ModelFiles", "detector_weights", "model_files",
+__all__ = ["CaptionResult", "CaptionerError", "ImageCaptioner", "ModelFiles", "detector_weights", "model_files",
            "read_meta"]

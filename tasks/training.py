@@ -19,9 +19,9 @@ from captioning.data.karpathy import Dataset
 from captioning.data.stores import LabelStore
 from captioning.metrics.coco import references_document
 from captioning.training import checkpoint
+from captioning.training.loop import load_model
 from captioning.training.recipe import preset_name, scst_settings, student_arch, xe_settings
 from captioning.training.stages import StageContext, TrainSpec, evaluate, run_training, seqkd
-from captioning.training.xe import load_model
 from captioning.util import sha256_file
 from tasks.common import RunContext, log
 from tasks.data import RETRY
@@ -163,7 +163,7 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
         res = _train(rc, run, _spec(data, feats, labels, name, out / "xe", captions=captions, init_from=init,
                                     seqkd_source=kd.source if captions == "seqkd" else None), nproc)
         rc.tracker.metrics(run, {"xe_best_val_CIDEr": res["best_metric"], "xe_seconds": time.perf_counter() - t0,
-                                 "xe_resumed_from_epoch": res["resumed_from_epoch"]})
+                                 "xe_resumed_from_epoch": res["resumed_from_epoch"], **res["init"]})
         final_ckpt = res["best_checkpoint"] or res["last_checkpoint"]
         if scst:
             with rc.tracker.run("scst", run, {"capflow.student": name}) as srun:

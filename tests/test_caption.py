@@ -23,13 +23,13 @@ from captioning.data.text import build_vocabulary, tokenize
 from captioning.decoding import beam_search, to_words
 from captioning.features.extractor import RegionExtractor
 from captioning.features.images import load_rgb
-from captioning.inference import Captioner, CaptionerError
+from captioning.inference import CaptionerError, ImageCaptioner
 from captioning.models.encoder_decoder import ArchConfig
 from captioning.models.registry import build
 from captioning.training import checkpoint
 from captioning.training.recipe import codec_for, max_tokens, student_arch
 from flows.cli import main
-from tasks.models import ModelResolveError, resolve_model
+from tasks.model_refs import ModelResolveError, resolve_model
 
 MAX_WORDS = 16
 BEAM = 2
@@ -153,7 +153,7 @@ def by_hand(folder: Path, extractor: RegionExtractor, files: list[Path]) -> dict
 def subset_captions(model_dir, images) -> dict[str, str]:
     """The Captioner's captions of SUBSET from the model folder (the reference for the registry/JSON tests)."""
     files = [p for p in images if p.name in SUBSET]
-    res = Captioner(model_dir, device="cpu", progress=False).caption(files)
+    res = ImageCaptioner(model_dir, device="cpu", progress=False).caption(files)
     assert not res.rejected
     return {c["file"]: c["caption"] for c in res.captions}
 
@@ -190,14 +190,14 @@ def test_cli_captions_all_27_real_images_like_extraction_plus_beam_search_by_han
 @pytest.mark.slow
 def test_captioner_api_matches_by_hand_in_batches_and_greedy(model_dir, extractor, images):
     files = [p for p in images if p.name in SUBSET]
-    cap = Captioner(model_dir, device="cpu", batch_size=3, progress=False)
+    cap = ImageCaptioner(model_dir, device="cpu", batch_size=3, progress=False)
     assert cap.beam == BEAM and cap.codec is not None  # radix model: digits decoded to words
     res = cap.caption(files)
     assert [c["file"] for c in res.captions] == [str(p) for p in files] and not res.rejected
     assert {c["file"]: c["caption"] for c in res.captions} == by_hand(model_dir, extractor, files)
     assert cap.describe()["random_detector"] is True
     # beam 1 = greedy through the same code
-    greedy = Captioner(model_dir, device="cpu", beam=1, progress=False).caption(files[:1])
+    greedy = ImageCaptioner(model_dir, device="cpu", beam=1, progress=False).caption(files[:1])
     assert greedy.captions[0]["caption"].strip()
 
 
@@ -236,7 +236,7 @@ def test_corrupt_and_missing_files_are_rejected_with_reasons_others_captioned(ca
 @pytest.mark.slow
 def test_captioner_result_records_rejections(model_dir, tmp_path, images, subset_captions):
     """The library result: captions for the usable files, {file, error} for the others, input order."""
-    cap = Captioner(model_dir, device="cpu", progress=False)
+    cap = ImageCaptioner(model_dir, device="cpu", progress=False)
     empty = tmp_path / "empty.png"
     empty.write_bytes(b"")
     files = [str(tmp_path / "nope.jpg"), *subset_captions, str(empty)]
@@ -327,7 +327,7 @@ def test_synthetic_informative_model_is_refused(capsys, tmp_path, untrained_dir)
     meta["features"]["source"] = "synthetic-informative"
     (folder / "capflow.json").write_text(json.dumps(meta))
     with pytest.raises(CaptionerError, match=r"synthetic-informative.*cannot caption real images"):
-        Captioner(folder, device="cpu")
+        ImageCaptioner(folder, device="cpu")
     rc, out, err = run(capsys, "caption", "a.jpg", "--model", str(folder))
     assert rc == 2 and out == ""
     assert "cannot caption real images" in err
@@ -338,15 +338,15 @@ def test_broken_model_folders_are_clear_errors(capsys, tmp_path, untrained_dir):
     shutil.copytree(untrained_dir, folder)
     (folder / "vocab.json").unlink()
     with pytest.raises(CaptionerError, match=r"lacks vocab\.json"):
-        Captioner(folder)
+        ImageCaptioner(folder)
     with pytest.raises(CaptionerError, match=r"lacks vocab\.json"):
-        Captioner(folder / "model.pt")
+        ImageCaptioner(folder / "model.pt")
     shutil.copy(untrained_dir / "vocab.json", folder / "vocab.json")
     meta = json.loads((folder / "capflow.json").read_text())
     meta["features"]["feature_dim"] = 1024  # the model takes 2048-d inputs
     (folder / "capflow.json").write_text(json.dumps(meta))
     with pytest.raises(CaptionerError, match=r"1024-d region features but the model .* takes 2048-d"):
-        Captioner(folder, device="cpu")
+        ImageCaptioner(folder, device="cpu")
     (folder / "model.pt").write_bytes(b"not a checkpoint")
     rc, _, err = run(capsys, "caption", "a.jpg", "--model", str(folder))
     assert rc == 2 and "model.pt" in err

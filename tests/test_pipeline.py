@@ -52,7 +52,7 @@ def _overrides(work, ann, images):
             "dataset.max_reject_fraction=0.2"]
 
 
-def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, tmp_path, monkeypatch):
+def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
     ann, images, bad_ids = planted
@@ -119,6 +119,43 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
                     scst=True)
     assert part["stages"]["student-satic-k2"] == "ran"
     assert all(v == "cached" for k, v in part["stages"].items() if k != "student-satic-k2")
+
+    # one front door: the single-stage commands find the run's outputs without path flags
+    _single_stage_commands_after_the_run(tmp_path, ann, images, res, capsys)
+
+
+def _loads(path: Path) -> bool:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+        return True
+    except OSError:  # the planted truncated image
+        return False
+
+
+def _single_stage_commands_after_the_run(work, ann, images, res, capsys):
+    from flows.cli import main
+
+    capsys.readouterr()
+    args = ["--preset", "tiny", *(x for o in _overrides(work, ann, images) for x in ("--set", o))]
+    vocab_records = sorted((work / "stages").glob("vocab-*.json"))
+    assert main(["train", "--json", "--model", "lw", *args]) == 0
+    trained = json.loads(capsys.readouterr().out)
+    assert trained["epochs_run"] == 1 and Path(trained["last_checkpoint"]).is_file()
+    assert Path(trained["last_checkpoint"]).parent.name.startswith("train-lw-")
+    assert sorted((work / "stages").glob("vocab-*.json")) == vocab_records  # the pipeline's label store, reused
+
+    assert main(["evaluate", "--json", "--student", "lw", *args]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    lw = next(r for r in res["leaderboard"] if r["student"] == "lw")
+    assert scored["metrics"]["CIDEr"] == pytest.approx(lw["metrics"]["CIDEr"], abs=1e-9)
+
+    image = next(p for p in sorted(images.rglob("*")) if p.suffix in (".jpg", ".png") and _loads(p))
+    assert main(["caption", "--json", "--no-progress", str(image), *args]) == 0  # the run's champion, from MLflow
+    (cap,) = json.loads(capsys.readouterr().out)
+    assert cap["file"] == str(image) and isinstance(cap["caption"], str)
 
 
 def test_pipeline_rejects_bad_parameters_before_running(harness, tmp_path):

@@ -24,7 +24,7 @@ import torch
 from captioning.config import load_config
 from captioning.data.text import build_vocabulary
 from captioning.features.extractor import RegionExtractor
-from captioning.inference import Captioner, CaptionerError
+from captioning.inference import CaptionerError, ImageCaptioner
 from captioning.models.registry import build
 from captioning.safe_pickle import UnsafePickleError, load_detectron2_pkl, safe_load
 from captioning.training import checkpoint
@@ -227,14 +227,14 @@ def test_pipeline_model_folder_bundles_its_weights_with_their_digest(reference, 
     assert ex["weights_sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
     assert (folder / "detector" / "zoo.pkl").read_bytes() == src.read_bytes()
     shutil.rmtree(tmp_path / "elsewhere")  # the folder is self-contained
-    cap = Captioner(folder, device="cpu", progress=False)
+    cap = ImageCaptioner(folder, device="cpu", progress=False)
     assert cap.extractor.weights_path == (folder / "detector" / "zoo.pkl").resolve()
     want, got = reference.model.state_dict(), cap.extractor.model.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
     # the bundled file is checked against the digest recorded at training time
     (folder / "detector" / "zoo.pkl").write_bytes(b"tampered")
     with pytest.raises(CaptionerError, match="sha256 mismatch"):
-        Captioner(folder, device="cpu")
+        ImageCaptioner(folder, device="cpu")
 
 
 def test_malicious_pkl_in_a_model_folder_is_refused(capsys, tmp_path, marker):
@@ -242,7 +242,7 @@ def test_malicious_pkl_in_a_model_folder_is_refused(capsys, tmp_path, marker):
     folder = _model_folder(tmp_path / "model", _features(evil))  # bundled + its digest, as a real folder would be
     assert (folder / "detector" / "model_final.pkl").is_file() and not marker.exists()
     with pytest.raises(CaptionerError) as e:
-        Captioner(folder, device="cpu")
+        ImageCaptioner(folder, device="cpu")
     _refusal(str(e.value), folder.resolve() / "detector" / "model_final.pkl")
     rc, out, err = run(capsys, "caption", "any.jpg", "--model", str(folder), "--device", "cpu")
     assert rc == 2 and out == ""
@@ -278,7 +278,7 @@ def test_capflow_json_cannot_point_outside_the_folder_or_skip_the_digest(capsys,
         expect = "no such file in the model folder"
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CaptionerError, match=expect):
-        Captioner(folder, device="cpu")
+        ImageCaptioner(folder, device="cpu")
     rc, _, err = run(capsys, "caption", "any.jpg", "--model", str(folder))
     assert rc == 2 and expect in err and str(meta_path) in err
     assert not marker.exists()

@@ -27,38 +27,16 @@ punctuation removed), and both scorers get the same tokens.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import time
 from collections import defaultdict
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 
+from captioning.bench.machine import machine_info
 from captioning.metrics.cider import CiderD
-
-EXTERNAL = Path(os.environ.get("CAPFLOW_EXTERNAL") or Path(__file__).resolve().parents[3] / "shared" / "external")
-DEFAULT_REFERENCES = EXTERNAL / "coco_eval" / "karpathy_test_refs.json"
-DEFAULT_RESULTS = EXTERNAL / "model_outputs" / "acort_karpathy_test.json"
-
-
-def machine_info() -> dict:
-    from importlib.metadata import version
-
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        affinity = os.cpu_count()
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "cpus_usable": affinity,
-        "numpy": np.__version__,
-        "pycocoevalcap": version("pycocoevalcap"),
-    }
 
 
 def _load(references_path: Path, results_path: Path, images: int | None):
@@ -76,7 +54,7 @@ def _load(references_path: Path, results_path: Path, images: int | None):
     return ids, {i: gts[i] for i in ids}, {i: res[i] for i in ids}
 
 
-def tokenize(gts: dict, res: dict) -> tuple[dict, dict]:
+def ptb_tokenize_pairs(gts: dict, res: dict) -> tuple[dict, dict]:
     """PTB-tokenise references and candidates in one Java run (coco-caption's tokenizer)."""
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
@@ -125,7 +103,7 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(references_path: str | Path = DEFAULT_REFERENCES, results_path: str | Path = DEFAULT_RESULTS,
+def run(references_path: str | Path, results_path: str | Path,
         batch_images: int = 50, samples: int = 5, repeats: int = 3, images: int | None = None,
         seed: int = 0) -> dict:
     """Run the benchmark; returns the JSON-able result (see the module docstring). ``images``: use only the
@@ -137,7 +115,7 @@ def run(references_path: str | Path = DEFAULT_REFERENCES, results_path: str | Pa
     if not ids:
         raise ValueError("no image has both references and a result")
     t0 = time.perf_counter()
-    gts, res = tokenize(gts_raw, res_raw)
+    gts, res = ptb_tokenize_pairs(gts_raw, res_raw)
     t_tok = time.perf_counter() - t0
 
     # (1) correctness over all images
@@ -228,7 +206,7 @@ def run(references_path: str | Path = DEFAULT_REFERENCES, results_path: str | Pa
     ]
     return {
         "bench": "cider",
-        "machine": machine_info(),
+        "machine": machine_info(pycocoevalcap=version("pycocoevalcap")),
         "config": {"images": len(ids), "batch_images": batch_images, "samples": samples, "repeats": repeats,
                    "seed": seed, "references": str(references_path), "results": str(results_path)},
         "anchor": "pycocoevalcap 1.2 CiderScorer, one scorer per batch with compute_score() (df recounted from "

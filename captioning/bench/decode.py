@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from captioning.bench.loader import machine_info
+from captioning.bench.machine import machine_info
 from captioning.decoding import graphs as cuda_graphs
 from captioning.decoding import greedy
 from captioning.models.encoder_decoder import Captioner

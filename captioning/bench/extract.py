@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from captioning.bench.loader import machine_info
+from captioning.bench.machine import machine_info
 from captioning.config import PipelineConfig, load_config
 from captioning.data.karpathy import read_karpathy
 from captioning.data.stores import FeatureStore

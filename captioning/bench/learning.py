@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from captioning.bench.loader import machine_info
+from captioning.bench.machine import machine_info
 from captioning.config import load_config
 from captioning.data.loader import ZarrFeatures
 from captioning.data.prepare import ingest, vocab_and_labels

@@ -12,26 +12,15 @@ passes; the warm numbers are reported beside them.
 from __future__ import annotations
 
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from captioning.bench.machine import machine_info
 from captioning.data.loader import CaptionDataset, MemoryFeatures, NpyFeatures, ZarrFeatures, make_loader
 from captioning.data.stores import OK, FeatureStore, Labels, LabelStore
-
-
-def machine_info() -> dict:
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
 
 
 def _drop_cache(root: Path) -> int:

@@ -5,7 +5,7 @@ d=512, ExpansionNet 3+3 at d=768), with random weights and synthetic data shaped
 50 images x 5 captions (SCST: 50 images x 5 samples), 50 regions x 2048-d float16 features per image, captions
 of 5..16 random words. Batches come through the training loader (``make_loader``; on CUDA 2 worker processes,
 ``workers``, for both paths; one epoch per measurement) and each step is
-:class:`captioning.training.xe.StepRunner`, the step of :func:`captioning.training.xe.train`. Two paths in the
+:class:`captioning.training.loop.StepRunner`, the step of :func:`captioning.training.loop.train`. Two paths in the
 same run, each on a fresh model with the same seed:
 
 - ``fp32_eager`` (the anchor, today's path): fp32, explicit attention (``explicit_attention()``), the host reads
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from captioning.bench.loader import machine_info
+from captioning.bench.machine import machine_info
 from captioning.data.karpathy import SPLIT_CODES
 from captioning.data.loader import CaptionDataset, MemoryFeatures, Rows, make_loader
 from captioning.data.stores import Labels
@@ -46,9 +46,9 @@ from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.layers import explicit_attention
 from captioning.models.registry import preset, scaled
 from captioning.precision import resolve_precision
+from captioning.training.loop import StepRunner, TrainSettings, make_optimizer
 from captioning.training.recipe import FAMILIES, preset_name
 from captioning.training.scst import ScstLoss
-from captioning.training.xe import StepRunner, TrainSettings, make_optimizer
 
 RADIX_WORDS = 9485  # word-like ids of a COCO-size vocabulary (9,487 words + <unk> - specials): 2 radix digits
 QUICK = {"d_model": 64, "layers": 2, "heads": 4, "d_ff": 128, "d_in": 64, "vocab": 1000, "regions": 10, "batch": 8,

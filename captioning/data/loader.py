@@ -22,10 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from captioning.data.karpathy import SPLIT_CODES
 from captioning.data.stores import OK, FeatureStore, Labels, LabelStore
 from captioning.data.text import BOS, EOS, PAD, RadixCodec
-
-SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 
 
 # ---------------------------------------------------------------------- feature sources

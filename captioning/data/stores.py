@@ -1,6 +1,6 @@
 """Zarr v3 stores: region features (``features.zarr``) and caption labels (``labels.zarr``).
 
-Feature store, one row per image in a fixed order (DESIGN.md "Data contracts"):
+Feature store, one row per image in a fixed order (ARCHITECTURE.md, "Data contracts"):
   features (N, B_max, D) float16 | boxes (N, B_max, 4) float32 (x1,y1,x2,y2 / image size) |
   num_boxes (N,) int16 | image_size (N, 2) int32 (height, width; -1 = unknown) | image_id (N,) int64 |
   status (N,) int8 (0 pending, 1 ok, 2 rejected) | reject_reason (N,) str

@@ -15,7 +15,6 @@ import itertools
 import json
 import logging
 import os
-import string
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
+
+from captioning.data.text import tokenize
 
 __all__ = [
     "COLOURS",
@@ -76,7 +77,6 @@ JPEG_QUALITY = 90
 # Independent random streams per image, so e.g. the split never changes the drawn scene.
 _STREAM_SCENE, _STREAM_RENDER, _STREAM_CAPTIONS, _STREAM_META = 0, 1, 2, 3
 
-_PUNCT_TABLE = str.maketrans("", "", string.punctuation)
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,6 @@ def _rng(seed: int, index: int, stream: int) -> np.random.Generator:
     if seed < 0 or index < 0:
         raise ValueError(f"seed and index must be non-negative, got seed={seed}, index={index}")
     return np.random.default_rng(np.random.SeedSequence([seed, index, stream]))
-
-
-def tokenize(raw: str) -> list[str]:
-    """Karpathy-style tokens: lower-cased, punctuation removed, split on whitespace."""
-    return raw.lower().translate(_PUNCT_TABLE).split()
 
 
 # ----------------------------------------------------------------------------------------------------

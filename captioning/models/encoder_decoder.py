@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioning.data.text import PAD  # the one definition of the padding id (re-exported)
 from captioning.models import static_cache
 from captioning.models.layers import (
     BoxGeometry,
@@ -53,8 +54,6 @@ from captioning.models.layers import (
     layer_norm,
     sinusoid_table,
 )
-
-PAD = 0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Data-parallel training on one machine: N processes, one process group (gloo on CPU, NCCL on CUDA).
 
 :func:`launch` spawns the processes and runs ``fn(rank, world_size, *args)`` in each, inside an initialised
-default process group; :func:`captioning.training.xe.train` called there trains data-parallel by itself (every
+default process group; :func:`captioning.training.loop.train` called there trains data-parallel by itself (every
 rank reads the same global batches and trains on its own contiguous slice, see :func:`shard`).
 
 Everything stays on the loopback interface: the rendezvous store is served by the calling process on a socket

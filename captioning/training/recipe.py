@@ -19,7 +19,7 @@ from captioning.data.stores import GROUND_TRUTH, Labels
 from captioning.data.text import BOS, EOS, PAD, RadixCodec, Vocabulary
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.registry import PRESETS, for_vocab, preset, scaled
-from captioning.training.xe import TrainSettings
+from captioning.training.loop import TrainSettings
 
 #: student family -> the registry preset that stands for it (any registry preset name is accepted as well)
 FAMILIES: dict[str, str] = {

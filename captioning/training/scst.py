@@ -12,7 +12,7 @@ references all end in ``<eos>`` and a sample gets its ``<eos>`` appended when it
 rewarded for stopping in the right place (the convention of the SCST/M2 code bases). Document frequencies come
 from the training references, computed once.
 
-Training runs through :func:`captioning.training.xe.train` with this loss (constant learning rate by default),
+Training runs through :func:`captioning.training.loop.train` with this loss (constant learning rate by default),
 so SCST has the same checkpoint/resume guarantees as XE: sampling draws from torch's global generator, whose
 state is saved with every epoch checkpoint.
 
@@ -52,7 +52,7 @@ class ScstStats:
 
 
 class ScstLoss:
-    """The SCST objective as a ``loss_fn(model, batch)`` for :func:`captioning.training.xe.train`.
+    """The SCST objective as a ``loss_fn(model, batch)`` for :func:`captioning.training.loop.train`.
 
     ``references``: ``{image id: [caption word ids (no BOS/EOS), ...]}`` of the training images.
     ``codec``: the radix codec when the model emits radix digits. ``max_tokens``: longest sampled output

@@ -22,11 +22,11 @@ from captioning.data.karpathy import Dataset
 from captioning.data.loader import FeatureSource, ZarrFeatures
 from captioning.data.stores import Labels, LabelStore
 from captioning.data.text import Vocabulary
-from captioning.metrics.report import evaluate_model, greedy_cider_validator
+from captioning.metrics.evaluation import evaluate_model, greedy_cider_validator
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.registry import PAPER_PARAMS
 from captioning.training import checkpoint
-from captioning.training.distill import SeqKDReport, generate_seqkd
+from captioning.training.loop import TrainResult, TrainSettings, load_model, train
 from captioning.training.recipe import (
     caption_dataset,
     codec_for,
@@ -39,7 +39,7 @@ from captioning.training.recipe import (
     xe_settings,
 )
 from captioning.training.scst import ScstLoss
-from captioning.training.xe import TrainResult, TrainSettings, load_model, train
+from captioning.training.seqkd import SeqKDReport, generate_seqkd
 from captioning.util import resolve_device
 
 log = logging.getLogger(__name__)
@@ -215,12 +215,12 @@ def _spec_context(cfg: PipelineConfig, spec: TrainSpec, progress: bool) -> Stage
     return StageContext.from_paths(cfg, spec.vocab_path, spec.labels_uri, spec.features_uri, ds, progress=progress)
 
 
-def _fit(ctx: StageContext, spec: TrainSpec, on_epoch: EpochFn | None) -> TrainResult:
+def _fit(ctx: StageContext, spec: TrainSpec, on_epoch: EpochFn | None) -> tuple[TrainResult, dict[str, Any]]:
     cfg = ctx.cfg
     if spec.scst_from:
         _, res = fit_scst(ctx, spec.scst_from, spec.out, settings=scst_settings(cfg.students.scst, cfg),
                           on_epoch=on_epoch)
-        return res
+        return res, {}
     from captioning.training.recipe import student_arch, teacher_arch
 
     if spec.is_teacher:
@@ -228,13 +228,14 @@ def _fit(ctx: StageContext, spec: TrainSpec, on_epoch: EpochFn | None) -> TrainR
     else:
         arch = student_arch(spec.model, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
     xe = cfg.teacher.xe if spec.is_teacher else cfg.students.xe
-    _, res, _ = fit_xe(ctx, arch, spec.out, settings=xe_settings(xe, cfg), captions=spec.captions,
-                       seqkd_source=spec.seqkd_source, init_from=spec.init_from, on_epoch=on_epoch)
-    return res
+    _, res, info = fit_xe(ctx, arch, spec.out, settings=xe_settings(xe, cfg), captions=spec.captions,
+                          seqkd_source=spec.seqkd_source, init_from=spec.init_from, on_epoch=on_epoch)
+    return res, {k: v for k, v in info.items() if k.startswith("init_") and isinstance(v, int)}
 
 
-def _result_json(res: TrainResult, world: int) -> dict[str, Any]:
-    return {"best_metric": res.best_metric, "best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
+def _result_json(fitted: tuple[TrainResult, dict[str, Any]], world: int) -> dict[str, Any]:
+    res, init = fitted
+    return {"init": init, "best_metric": res.best_metric, "best_epoch": res.best_epoch, "epochs_run": res.epochs_run,
             "resumed_from_epoch": res.resumed_from_epoch, "history": res.history, "processes": world,
             "best_checkpoint": str(res.best_checkpoint) if res.best_checkpoint else None,
             "last_checkpoint": str(res.last_checkpoint)}

@@ -93,8 +93,8 @@ def _recorded_predictions(args: argparse.Namespace) -> tuple[str, str]:
 def cmd_caption(args: argparse.Namespace) -> int:
     import os
 
-    from captioning.inference import Captioner, CaptionerError
-    from tasks.models import ModelResolveError, resolve_model
+    from captioning.inference import CaptionerError, ImageCaptioner
+    from tasks.model_refs import ModelResolveError, resolve_model
 
     if args.batch_size < 1:
         raise CLIError("--batch-size must be >= 1")
@@ -108,7 +108,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
 
             uri = tracking_uri(load_cfg(args))
         folder = resolve_model(args.model, uri)
-        captioner = Captioner(folder, device=args.device, beam=args.beam, batch_size=args.batch_size,
+        captioner = ImageCaptioner(folder, device=args.device, beam=args.beam, batch_size=args.batch_size,
                               progress=not (args.json or args.no_progress), precision=args.precision)
     except ModelResolveError as e:
         hint = ""

@@ -99,7 +99,7 @@ def test_random_corpora_match_pycocoevalcap(seed):
 @pytest.fixture(scope="module")
 def real(external):
     """300 images: PTB-tokenised references and ACORT captions (one Java run for the module)."""
-    from captioning.bench.cider import tokenize
+    from captioning.bench.cider import ptb_tokenize_pairs as tokenize
 
     refs = json.loads((external / "coco_eval" / "karpathy_test_refs.json").read_text())
     results = json.loads((external / "model_outputs" / "acort_karpathy_test.json").read_text())

@@ -18,7 +18,7 @@ from captioning.models.layers import MultiHeadAttention, explicit_attention
 from captioning.models.registry import PRESETS
 from captioning.precision import autocast, resolve_precision
 from captioning.training import checkpoint
-from captioning.training.xe import StepRunner, TrainSettings, make_optimizer, train
+from captioning.training.loop import StepRunner, TrainSettings, make_optimizer, train
 from tests.models.test_attention import _targets
 from tests.models.test_models import inputs, tiny
 from tests.training.test_xe import _dataset, _model, data  # noqa: F401  (fixture)

@@ -103,7 +103,7 @@ def test_import_errors_are_cli_errors(tmp_path):
 
 
 def test_cli_main_reports_cli_errors_with_exit_status_2(tmp_path, monkeypatch, capsys):
-    """Through capflow's main (registered here when flows/cli.py does not register the command yet)."""
+    """Through capflow's main (registered here when the parser does not register the command yet)."""
     import flows.cli as cli
 
     original = cli.build_parser

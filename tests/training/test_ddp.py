@@ -14,7 +14,7 @@ from captioning.data.loader import CaptionDataset, MemoryFeatures, make_loader
 from captioning.models.encoder_decoder import Captioner
 from captioning.models.registry import preset, scaled
 from captioning.training import checkpoint, ddp
-from captioning.training.xe import TrainSettings, train
+from captioning.training.loop import TrainSettings, train
 
 # A small constant lr: Adam turns gradients that are zero in exact arithmetic but rounding noise in practice into
 # steps of about lr, so a large lr (Noam with warmup 5 reaches ~0.08 here) makes such weights differ by ~lr.

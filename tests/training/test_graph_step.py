@@ -13,7 +13,7 @@ import torch
 
 from captioning.data.loader import Batch, collate
 from captioning.training import graphs
-from captioning.training.xe import StepRunner, TrainSettings, compile_mode, make_optimizer, train
+from captioning.training.loop import StepRunner, TrainSettings, compile_mode, make_optimizer, train
 from tests.training.test_xe import _dataset, _model, data  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")

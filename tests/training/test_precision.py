@@ -12,8 +12,8 @@ import torch
 
 from captioning import precision as P
 from captioning.config import ConfigError, load_config
+from captioning.training.loop import StepRunner, TrainSettings, make_optimizer, train
 from captioning.training.recipe import scst_settings, xe_settings
-from captioning.training.xe import StepRunner, TrainSettings, make_optimizer, train
 from tests.training.test_xe import _dataset, _model, data  # noqa: F401  (fixture)
 
 

@@ -10,7 +10,7 @@ from captioning.data.loader import CaptionDataset, MemoryFeatures
 from captioning.models.encoder_decoder import Captioner
 from captioning.models.registry import preset, scaled
 from captioning.training import checkpoint
-from captioning.training.xe import TrainSettings, load_model, train
+from captioning.training.loop import TrainSettings, load_model, train
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: M
                    train_captions: Iterable[str] = (), params_convention: str = "full",
                    spice_jars: str | Path | None = None, latency_images: int = 20, batch_size: int = 50,
                    device: str | torch.device = "cpu", progress: bool = False, precision: str = "fp32") -> dict:
-    """Predictions + metrics JSON of one model on one split (DESIGN.md "Metrics")."""
+    """Predictions + metrics JSON of one model on one split (ARCHITECTURE.md, "Predictions and metrics")."""
     preds = predict(model, source, rows, vocab, codec=codec, max_tokens=max_tokens, beam=beam,
                     batch_size=batch_size, device=device, progress=progress, precision=precision)
     scored = score(preds, references, spice_jars=spice_jars)

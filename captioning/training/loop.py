@@ -1,4 +1,5 @@
-"""Cross-entropy (teacher forcing) training with epoch checkpoints that resume to identical weights.
+"""The training loop of every stage: cross-entropy (teacher forcing) by default, SCST when given its loss function
+(:class:`captioning.training.scst.ScstLoss`), with epoch checkpoints that resume to identical weights.
 
 Each epoch: batches from a :class:`~captioning.data.loader.CaptionDataset` (its order depends only on the seed
 and the epoch), Adam(0.9, 0.98, 1e-9) with the Noam schedule (or a constant/step schedule), label smoothing,

@@ -1,0 +1,34 @@
+"""What every ``capflow bench`` result states about the machine it ran on (machines of one kind differ: compare
+figures only within one run, or across runs of the same machine)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def machine_info(**extra: object) -> dict:
+    """Python, OS, CPU model and counts, numpy/torch versions and torch threads; ``extra`` entries appended
+    (e.g. ``device=...``)."""
+    import numpy as np
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        usable = os.cpu_count()
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "processor": _cpu_model() or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "cpus_usable": usable, "numpy": np.__version__, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), **extra}
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
