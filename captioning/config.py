@@ -217,6 +217,12 @@ class StudentsConfig(Section):
     )
     size: str = Field("base", description="Size variant of each family's registry preset")
     nproc: int = Field(1, ge=1, description="Data-parallel training processes per student (XE and SCST; torch DDP)")
+    workers: int = Field(0, ge=0, description="Dask worker processes that train students in parallel, one student "
+                         "per worker (a LocalCluster on 127.0.0.1, at most one per GPU); 0 = in the flow's process")
+    dask_address: str | None = Field(None, description="Dask scheduler (tcp://host:port) whose workers train the "
+                                     "students; unset = a LocalCluster of students.workers processes")
+    threads: int | None = Field(None, ge=1, description="Torch threads per student process on a cluster (default: "
+                                "usable CPUs // students.workers)")
     seqkd_beam: int = Field(5, ge=1, description="Beam size of the teacher when generating SeqKD captions")
     seqkd_for: list[str] = Field(
         default_factory=lambda: ["satic"], description="Students trained on the teacher's SeqKD captions"

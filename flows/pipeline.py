@@ -30,6 +30,7 @@ from captioning.config import PipelineConfig, load_config
 from tasks.cache import StageCache, code_version
 from tasks.common import RunContext
 from tasks.data import extract_task, ingest_task, vocab_task
+from tasks.fanout import student_cluster, student_remote_task
 from tasks.refs import StudentFailure, StudentResult
 from tasks.report import leaderboard_task, markdown, promote_task
 from tasks.tracking import Tracker, config_yaml
@@ -100,9 +101,11 @@ def what_changed(summary: dict[str, Any]) -> str:
 def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | None = None) -> dict[str, Any]:
     tracker = Tracker(cfg)  # fails fast (before any stage) when the tracking server is unreachable
     tracker.end_orphaned_runs()  # runs of an earlier pipeline run that was killed: KILLED, not RUNNING forever
-    with tracker.run("pipeline", tags={"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
-                                       "config_digest": cfg.digest(), "code_version": code_version(),
-                                       "capflow.preset_name": cfg.run.name}) as parent:
+    # the students' Dask cluster (students.workers / students.dask_address) before any stage: an unreachable
+    # scheduler stops the run here
+    tags = {"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(), "config_digest": cfg.digest(),
+            "code_version": code_version(), "capflow.preset_name": cfg.run.name}
+    with student_cluster(cfg) as client, tracker.run("pipeline", tags=tags) as parent:
         tracker.params(parent, cfg.model_dump(mode="json"))
         tracker.text_artifact(parent, "config.yaml", config_yaml(cfg))  # credentials redacted
         rc = RunContext(cfg, tracker, parent, StageCache(cfg.workdir),
@@ -114,11 +117,18 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
         kd = seqkd_task(rc, data, feats, labels, teacher)
         results: list[StudentResult | StudentFailure] = []
         names = list(cfg.students.names)
-        wave = cfg.run.parallel_students
-        for i in range(0, len(names), wave):
-            futures = [student_task.submit(rc, n, data, feats, labels, teacher, kd, cfg.students.scst.enabled)
-                       for n in names[i: i + wave]]
-            results += [f.result() for f in futures]
+        scst = cfg.students.scst.enabled
+        if client is not None:  # one Dask task per student, in the cluster's worker processes
+            futures = [student_remote_task.submit(rc, client, n, data, feats, labels, teacher, kd, scst)
+                       for n in names]
+            results = [f.result() for f in futures]
+            tracker.end_orphaned_runs()  # the runs of a student whose worker was killed (its task ran again)
+        else:  # in this process, run.parallel_students at a time (threads)
+            wave = cfg.run.parallel_students
+            for i in range(0, len(names), wave):
+                futures = [student_task.submit(rc, n, data, feats, labels, teacher, kd, scst)
+                           for n in names[i: i + wave]]
+                results += [f.result() for f in futures]
         board = leaderboard_task(rc, results)
         promo = promote_task(rc, board, data.digest)
         tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})

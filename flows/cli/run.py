@@ -13,6 +13,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if os.environ.get("PREFECT_HOME"):  # Prefect's local server cannot create its database in a missing folder
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     from flows.pipeline import PrefectUnavailable, build_config, pipeline, start_prefect_api
+    from tasks.fanout import SchedulerUnavailable
     from tasks.tracking import TrackingUnavailable, preflight, tracking_uri
 
     students = parse_students(args.students)
@@ -26,7 +27,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         start_prefect_api()  # Prefect's temporary server (no PREFECT_API_URL): its failure named, with a way out
         res = pipeline(preset=args.preset or ("demo" if not args.config else None), config_path=args.config,
                        overrides=list(args.overrides), students=students, scst=not args.no_scst)
-    except (TrackingUnavailable, PrefectUnavailable) as e:
+    except (TrackingUnavailable, PrefectUnavailable, SchedulerUnavailable) as e:
         raise CLIError(str(e)) from None
     if args.json:
         print_json(res)
