@@ -61,15 +61,18 @@ def _weights(res, work):
 
 def test_students_on_two_dask_workers_equal_a_sequential_run(harness, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    par = pipeline(preset="tiny", overrides=_overrides(tmp_path / "par", "students.workers=2"), students=STUDENTS)
-    assert par["failed"] == [] and par["stages"]["student-lw"] == par["stages"]["student-satic"] == "ran"
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers' setting (students.threads=1): the same arithmetic in this process
+    # the workers' setting (students.threads=1) in this process too: the teacher, trained here, is then the
+    # same in both runs, and so is the arithmetic of the students trained here in the sequential run
+    torch.set_num_threads(1)
     try:
+        par = pipeline(preset="tiny", overrides=_overrides(tmp_path / "par", "students.workers=2"),
+                       students=STUDENTS)
         seq = pipeline(preset="tiny", overrides=_overrides(tmp_path / "seq", "run.parallel_students=1"),
                        students=STUDENTS)
     finally:
         torch.set_num_threads(threads)
+    assert par["failed"] == [] and par["stages"]["student-lw"] == par["stages"]["student-satic"] == "ran"
     assert seq["failed"] == []
     key = {r["student"]: (r["metrics"], r["params"]) for r in seq["leaderboard"]}
     assert {r["student"]: (r["metrics"], r["params"]) for r in par["leaderboard"]} == key
@@ -123,7 +126,7 @@ def test_students_nproc_2_in_the_pipeline_equals_capflow_train_nproc_2(harness, 
     assert out["processes"] == 2
     a = torch.load(xe_last, weights_only=True)
     b = torch.load(Path(out["last_checkpoint"]), weights_only=True)
-    assert a["epoch"] == b["epoch"] == 1
+    assert a["epoch"] == b["epoch"] and a["step"] == b["step"] > 0
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
 
