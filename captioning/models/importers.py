@@ -357,15 +357,32 @@ def _n_linears(sd: dict[str, torch.Tensor], prefix: str) -> int:
     return n
 
 
+def _canonical_map(m: Any) -> tuple[int, ...] | None:
+    """A released ``share_layer`` value (a list, or the command line's string ``"(0, 0, 1)"``) with ids renumbered
+    by first position; None for no sharing."""
+    if m is None or (isinstance(m, str) and m.strip().lower() in ("", "none", "null")):
+        return None
+    ids = [int(x) for x in re.findall(r"-?\d+", m)] if isinstance(m, str) else [int(x) for x in m]
+    first = {v: i for i, v in enumerate(dict.fromkeys(ids))}
+    return tuple(first[v] for v in ids)
+
+
+def _share_att(v: Any) -> Any:
+    return None if isinstance(v, str) and v.strip().lower() in ("", "none", "null") else v
+
+
 def convert_relation(sd: dict[str, torch.Tensor], family: str, pieces: list[str], *, heads: int | None = None,
                      share_att_encoder: str | None = None, share_att_decoder: str | None = None,
-                     radix_base: int | None = None) -> tuple[ArchConfig, dict[str, torch.Tensor], list[str]]:
+                     radix_base: int | None = None, share_layer_encoder: Any = None, share_layer_decoder: Any = None
+                     ) -> tuple[ArchConfig, dict[str, torch.Tensor], list[str]]:
     """Released ORT/ACORT state dict (``RelationTransformerModel``) -> (capflow config, state dict, words).
 
     ``pieces``: the released SentencePiece pieces in id order (``<pad> <unk> <bos> <eos>`` then the words).
     ``heads`` is checked against the per-head geometry linears (``WGs.h``); ``share_att_*`` (the released
     config's ``kv``/``qk``) is needed when the attentions have 3 linears; ``radix_base`` (``acort``) is checked
-    against the output classes (``v + 3``)."""
+    against the output classes (``v + 3``), ``share_layer_*`` (the released config's maps) against the sharing
+    read from the weights."""
+    share_att_encoder, share_att_decoder = _share_att(share_att_encoder), _share_att(share_att_decoder)
     if family not in RELATION:
         raise ImportCheckpointError(f"unknown family {family!r}: one of {', '.join(RELATION)}")
     sd = dict(sd)
@@ -418,6 +435,13 @@ def convert_relation(sd: dict[str, torch.Tensor], family: str, pieces: list[str]
                                     "attention-sharing option for every attention")
     share = shares[0]
     enc_map, dec_map = _sharing_map(sd, enc, n_enc), _sharing_map(sd, dec, n_dec)
+    for where, given, found in (("encoder", share_layer_encoder, enc_map), ("decoder", share_layer_decoder, dec_map)):
+        if given is None:  # not said: the weights decide
+            continue
+        said = _canonical_map(given) or tuple(range(len(found)))
+        if said != found:
+            raise ImportCheckpointError(f"share_layer_{where}={given} but the weights share the {where} layers as "
+                                        f"{found} (positions with equal tensors)")
 
     words = [p[1:] if p.startswith("\u2581") else p for p in pieces[4:]]
     n_out = sd["model.generator.proj.weight"].shape[0]
@@ -627,7 +651,8 @@ def import_checkpoint(family: str, path: str | Path, vocab_path: str | Path, *, 
         cfg, state, kept = convert_relation(
             load_state_dict(path), family, read_pieces(vocab_path), heads=heads,
             share_att_encoder=run.get("share_att_encoder"), share_att_decoder=run.get("share_att_decoder"),
-            radix_base=run.get("radix_base") if family == "acort" else None)
+            radix_base=run.get("radix_base") if family == "acort" else None,
+            share_layer_encoder=run.get("share_layer_encoder"), share_layer_decoder=run.get("share_layer_decoder"))
         model = build_imported(cfg, state)
         return model, Vocabulary(words=kept, counts=[0] * len(kept), radix_base=cfg.vocab_size - 3
                                  if family == "acort" else 768)

@@ -270,6 +270,18 @@ def test_errors_name_keys_and_reasons(tmp_path):
         convert_relation(shared, "acort", PIECES)
     with pytest.raises(ImportCheckpointError, match="one attention-sharing option"):
         convert_relation(shared, "acort", PIECES, share_att_encoder="kv", share_att_decoder="qk")
+    tied = released_state_dict(n_out=BASE + 3, share_att="kv", enc_map=(0, 0))
+    with pytest.raises(ImportCheckpointError, match=r"share_layer_encoder=\(0, 1\) but .* as \(0, 0\)"):
+        convert_relation(tied, "acort", PIECES, share_att_encoder="kv", share_att_decoder="kv",
+                         share_layer_encoder="(0, 1)")
+    with pytest.raises(ImportCheckpointError, match=r"share_layer_encoder=None but .* as \(0, 0\)"):
+        convert_relation(tied, "acort", PIECES, share_att_encoder="kv", share_att_decoder="kv",
+                         share_layer_encoder="None")
+    cfg, _, _ = convert_relation(tied, "acort", PIECES, share_att_encoder="kv", share_att_decoder="kv",
+                                 share_layer_encoder="(3, 3)", share_layer_decoder=[0, 1])  # the config's spellings
+    assert cfg.enc_share == (0, 0) and cfg.dec_share is None
+    with pytest.raises(ImportCheckpointError, match="share_att_encoder=kv but the encoder attentions have 4"):
+        convert_relation(sd, "ort", PIECES, share_att_encoder="kv", share_att_decoder="None")
     with pytest.raises(ImportCheckpointError, match="radix_base 5"):
         convert_relation(shared, "acort", PIECES, share_att_encoder="kv", share_att_decoder="kv", radix_base=5)
     # 4 words + <unk> = 5 = 5^1: the released tokenizer writes 2 digits, capflow's codec 1
