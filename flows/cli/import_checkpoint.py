@@ -94,7 +94,9 @@ def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser]
     p.add_argument("--vocab", required=True, metavar="VOCAB",
                    help="the released vocabulary: aic/satic/zodiac a JSON list of words (ids 1..V) or an "
                    "ix_to_word mapping (cocotalk.json); expansionnet its caption_idx2word_list (JSON list, ids "
-                   "0..V-1) or caption_word2idx_dict")
+                   "0..V-1) or caption_word2idx_dict; ort/acort the SentencePiece tokenizer/word.vocab (or a JSON "
+                   "list of its pieces); ort/acort also read the run's config.json beside CKPT when there "
+                   "(share_att_encoder/decoder, num_heads, radix_base)")
     p.add_argument("--out", required=True, metavar="MODEL_DIR", help="the model folder to write")
     p.add_argument("--heads", type=int, default=8, help="attention heads (not stored in the weights; default 8)")
     p.add_argument("--group-size", type=int, help="satic: the group size K (not stored in the weights)")
