@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from itertools import pairwise
 
 _WORD = re.compile(r"[^\W_]+(?:['\u2019-][^\W_]+)*")
 
@@ -65,7 +66,7 @@ def repetition_stats(captions: Iterable[str]) -> dict:
     if not caps:
         raise ValueError("repetition_stats needs at least one caption")
     words = [caption_words(c) for c in caps]
-    repeats = [sum(a == b for a, b in zip(w, w[1:])) for w in words]
+    repeats = [sum(a == b for a, b in pairwise(w)) for w in words]
     total = sum(len(w) for w in words)
     n = len(caps)
     distinct = len({normalize_caption(c) for c in caps})

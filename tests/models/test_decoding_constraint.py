@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -50,20 +52,20 @@ def test_no_word_twice_in_a_row(name):
     bm = beam_search(rep, memory, beam=3, max_len=9, n_best=3, decoding_constraint=True)
     torch.testing.assert_close(bm.logprobs.reshape(-1), teacher_logprob(rep, memory, bm.flat()), atol=1e-2, rtol=1e-5)
     for row in bm.flat().tolist():
-        assert all(a != b for a, b in zip(row, row[1:]) if b != 0)
+        assert all(a != b for a, b in pairwise(row) if b != 0)
 
 
 def test_radix_words_are_not_repeated():
     """ACORT-style radix model, 2 digits per word: the constraint bans the digit that completes the previous word."""
     assert CODEC.digits == 2
-    model, rep, memory = _repeating("acort-small", 3, 4)
+    _, rep, memory = _repeating("acort-small", 3, 4)
     plain = greedy(rep, memory, max_len=8)
     assert _words(plain.flat()[0].tolist(), 2) == [(3, 3)] * 4
     for row in greedy(rep, memory, max_len=8, decoding_constraint=True, word_tokens=2).flat().tolist():
         assert _words(row, 2) == [(3, 3), (3, 4), (3, 3), (3, 4)]
     for row in beam_search(rep, memory, beam=2, max_len=8, decoding_constraint=True, word_tokens=2).flat().tolist():
         words = _words(row, 2)  # two digits 4 cost the same wherever they go: any alternation of the two words
-        assert len(words) == 4 and set(words) == {(3, 3), (3, 4)} and all(a != b for a, b in zip(words, words[1:]))
+        assert len(words) == 4 and set(words) == {(3, 3), (3, 4)} and all(a != b for a, b in pairwise(words))
     # one token per word on a radix model is the token-level constraint, not the word-level one
     tok = greedy(rep, memory, max_len=8, decoding_constraint=True)
     assert tok.flat()[0].tolist() == [3, 4] * 4
@@ -73,3 +75,38 @@ def test_word_tokens_checked():
     model, _, memory = model_and_inputs("aic")
     with pytest.raises(ValueError, match="word_tokens"):
         greedy(model, memory, decoding_constraint=True, word_tokens=0)
+
+
+def _source(memory_feats, boxes, mask):
+    import numpy as np
+
+    from captioning.data.loader import MemoryFeatures
+
+    n = mask.sum(1).numpy()
+    return MemoryFeatures(memory_feats.numpy(), boxes.numpy(), n, np.arange(10, 10 + len(n)))
+
+
+@pytest.mark.parametrize("name, codec", [("satic-k4", None), ("acort-small", CODEC)])
+def test_predict_and_config_wire_the_constraint(name, codec):
+    """evaluation.decoding_constraint -> predict(..., decoding_constraint) -> the search (radix: words of digits)."""
+    import numpy as np
+
+    from captioning.config import load_config
+    from captioning.metrics.report import predict
+    from tests.models.test_decoding import VOCAB
+
+    assert load_config("demo").evaluation.decoding_constraint is False
+    assert load_config("demo", overrides=["evaluation.decoding_constraint=true"]).evaluation.decoding_constraint
+    feats_boxes_mask = model_and_inputs(name)[1]
+    rep = _repeating(name, 7, 9)[1] if codec is None else _repeating(name, 3, 4)[1]
+    src = _source(*feats_boxes_mask)
+    kw = {"codec": codec, "max_tokens": 8, "beam": 2, "batch_size": 2}
+    plain = predict(rep, src, np.arange(3), VOCAB, **kw)
+    fixed = predict(rep, src, np.arange(3), VOCAB, decoding_constraint=True, **kw)
+    assert sorted(plain) == sorted(fixed) == [10, 11, 12]
+    for cap in plain.values():
+        words = cap.split()
+        assert len(set(words)) == 1 and len(words) == (8 if codec is None else 4)
+    for cap in fixed.values():
+        words = cap.split()
+        assert len(set(words)) == 2 and all(a != b for a, b in pairwise(words))
