@@ -236,6 +236,10 @@ class StudentsConfig(Section):
 
 class EvalConfig(Section):
     beam: int = Field(3, ge=1, description="Beam size at evaluation")
+    decoding_constraint: bool = Field(
+        False, description="Never emit a word right after itself when decoding the evaluated split (the released "
+        "SATIC/self-critical code's --decoding_constraint, off there by default; a radix word counts as a word)",
+    )
     spice_jars: str | None = Field(None, description="Folder with Stanford CoreNLP jars for SPICE; unset = no SPICE")
 
 

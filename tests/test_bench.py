@@ -1,5 +1,6 @@
 import json
 import math
+import statistics
 
 import pytest
 
@@ -43,8 +44,15 @@ def test_bench_decode_reports_speedups():
     assert all(r["encoder_ms_batch1"] > 0 and r["images_per_s_batch2"] > 0 for r in res["rows"])
 
 
-def test_bench_learning_cli_json_small(capsys, tmp_path):
-    """Every stage of the learning bench at the smallest size: structure, consistency, the baseline."""
+def test_bench_learning_cli_json_small(capsys, tmp_path, monkeypatch):
+    """Every stage of the learning bench at the smallest size: structure, consistency, the baseline.
+
+    One seed (the CLI has no ``--seeds`` flag yet: the library function's default is 3 seeds, ~3x as long)."""
+    import functools
+
+    import captioning.bench.learning as learning
+
+    monkeypatch.setattr(learning, "run", functools.partial(learning.run, seeds=1))
     sets = ["dataset.synthetic.num_images=48", "dataset.synthetic.val_fraction=0.2",
             "dataset.synthetic.test_fraction=0.2", "students.size=tiny", "teacher.model.d_model=32",
             "teacher.model.layers=1", "teacher.model.heads=2", "teacher.model.d_ff=64", "teacher.xe.epochs=1",
@@ -69,6 +77,85 @@ def test_bench_learning_cli_json_small(capsys, tmp_path):
     assert out["seqkd"]["captions"] == out["splits"]["train"]
     worst = min(m["xe"]["CIDEr"] for m in out["models"].values())
     assert out["ratios"]["xe_vs_baseline_min"] == worst / max(out["baseline_cider"], 1e-9)
+    # one seed: the means are that seed's numbers, no sd; the diversity figures of the test captions
+    assert out["seeds"] == 1 and out["run_seeds"] == [0] and out["dataset_seeds"] == [0] and len(out["runs"]) == 1
+    assert out["runs"][0]["rows"][0]["CIDEr"] == out["rows"][0]["CIDEr"] and out["rows"][0]["CIDEr_sd"] is None
+    assert out["claims"]["seeds"] == 1 and set(out["claims"]["scst_gt_xe"]) == set(out["models"])
+    assert out["claims"]["satic_order"] in (0, 1)
+    for r in out["rows"]:
+        assert r["seeds"] == 1 and 1 <= r["distinct_captions"] <= out["splits"]["test"]
+        assert r["distinct_fraction"] == r["distinct_captions"] / out["splits"]["test"]
+        assert 0 <= r["repeated_token_rate"] <= r["repeat_caption_fraction"] <= 1 or r["repeat_caption_fraction"] == 0
+    assert out["models"]["aic"]["per_seed"]["xe"]["CIDEr"] == [out["models"]["aic"]["xe"]["CIDEr"]]
+
+
+def _fake_run(seed: int, xe: dict, scst: dict, base: float, abl: tuple[float, float, float]) -> dict:
+    def model(x, s):
+        return {"arch": "a", "xe": {"CIDEr": x, "SPICE": None}, "scst": {"CIDEr": s, "SPICE": None},
+                "xe_best_val_cider": x, "scst_best_val_cider": s, "scst_best_epoch": seed - 1,
+                "scst_val_cider": [x, s]}
+
+    models = {f: model(xe[f], scst[f]) for f in xe}
+    ablation = {v: model(c, c) for v, c in zip(("base", "seqkd", "weight_init"), abl, strict=True)}
+    models["satic"] = ablation["weight_init"]
+    rows = [{"model": f, "stage": st, "CIDEr": models[f][st]["CIDEr"], "params": 10, "distinct_captions": seed}
+            for f in models for st in ("xe", "scst")]
+    return {"seed": seed, "dataset_seed": seed, "baseline_cider": base, "baseline_caption": f"cap {seed}",
+            "models": models, "satic_ablation": ablation, "rows": rows}
+
+
+def test_bench_learning_aggregates_seeds_and_counts_claims():
+    """Means, sample sds, per-seed values, ratios on the means and the claim counts, on known numbers."""
+    from captioning.bench import learning
+
+    runs = [_fake_run(0, {"aic": 1.0, "lw": 0.6}, {"aic": 1.2, "lw": 0.5}, 0.19, (0.3, 0.5, 0.9)),
+            _fake_run(1, {"aic": 1.2, "lw": 0.8}, {"aic": 1.1, "lw": 0.9}, 0.35, (0.6, 0.5, 0.8)),
+            _fake_run(2, {"aic": 0.8, "lw": 0.7}, {"aic": 1.5, "lw": 0.95}, 0.3, (0.2, 0.4, 0.7))]
+    mean, sd, per = learning.aggregate([r["models"]["aic"] for r in runs])
+    assert mean["xe"]["CIDEr"] == pytest.approx(1.0) and sd["xe"]["CIDEr"] == pytest.approx(0.2)
+    assert per["scst"]["CIDEr"] == [1.2, 1.1, 1.5] and mean["xe"]["SPICE"] is None and mean["arch"] == "a"
+    assert mean["scst_val_cider"] == pytest.approx([1.0, (1.2 + 1.1 + 1.5) / 3])  # element by element
+    assert learning.aggregate([1, 2])[1] == pytest.approx(2 ** -0.5) and learning.aggregate([3])[1] is None
+    assert learning.aggregate(["x", "y"])[0] == ["x", "y"]
+
+    claims = learning._claims(runs)
+    assert claims["seeds"] == 3
+    assert claims["scst_gt_xe"] == {"aic": 2, "lw": 2, "satic": 0}  # satic: SCST == XE in the fake runs
+    assert claims["xe_vs_baseline_3x"] == {"aic": 2, "lw": 1, "satic": 1}  # 3x baselines 0.57, 1.05, 0.9
+    assert claims["satic_order"] == 2  # seed 1: 0.6 > 0.5
+
+    rows = learning._rows(runs)
+    assert [(r["model"], r["stage"]) for r in rows][:2] == [("aic", "xe"), ("aic", "scst")]
+    assert rows[0]["CIDEr"] == pytest.approx(1.0) and rows[0]["CIDEr_sd"] == pytest.approx(0.2)
+    assert rows[0]["distinct_captions"] == 1.0 and rows[0]["distinct_captions_sd"] == 1.0
+    assert rows[0]["params"] == 10 and "params_sd" not in rows[0] and rows[0]["seeds"] == 3
+
+    models = {f: learning._family([r["models"][f] for r in runs]) for f in ("aic", "lw")}
+    ratios = learning.ratios_of(0.3, models, {})
+    assert ratios["scst_vs_xe_aic"] == pytest.approx((3.8 / 3) / 1.0)
+    assert ratios["xe_vs_baseline_min"] == pytest.approx(0.7 / 0.3)  # on the means, not per seed
+    assert models["lw"]["sd"]["scst"]["CIDEr"] == pytest.approx(statistics.stdev([0.5, 0.9, 0.95]))
+
+
+def test_bench_learning_seeds_change_data_split_and_run_seed(tmp_path):
+    """Seed i raises run.seed and the synthetic dataset's seed by i: other images, another split."""
+    from captioning.bench.learning import seed_overrides, split_digest
+    from captioning.config import load_config
+    from captioning.data.prepare import ingest
+
+    base = ["dataset.synthetic.num_images=24", "run.seed=5", "dataset.synthetic.seed=7"]
+    cfg0 = load_config("learning", overrides=[*base, f"run.workdir={tmp_path}"])
+    assert seed_overrides(cfg0, 0) == ["run.seed=5", "dataset.synthetic.seed=7"]
+    assert seed_overrides(cfg0, 2) == ["run.seed=7", "dataset.synthetic.seed=9"]
+    splits = []
+    for i in range(2):
+        cfg = load_config("learning", overrides=[*base, f"run.workdir={tmp_path / str(i)}", *seed_overrides(cfg0, i)])
+        assert (cfg.run.seed, cfg.dataset.synthetic.seed) == (5 + i, 7 + i)
+        ds = ingest(cfg)
+        splits.append((split_digest(ds), sorted(e.image_id for e in ds.split("test")),
+                       ds.split("train")[0].captions))
+    assert splits[0][0] != splits[1][0]
+    assert splits[0][1] != splits[1][1] or splits[0][2] != splits[1][2]
 
 
 def test_bench_train_rows_and_ratios():

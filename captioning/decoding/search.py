@@ -31,6 +31,15 @@ Greedy and beam search have two cached engines with the same results (tests hold
   graphs`). ``graphs=None`` (auto) picks graphs when the memory is on a CUDA device, the cache is used and the
   model has no active dropout (eval mode), falling back to eager with a warning if capturing fails.
 Sampling always runs eager (its random draws depend on which rows are still open).
+
+Decoding constraint (``decoding_constraint=True``; greedy, beam search, sampling): a word is never emitted right
+after itself - the option of the same name in the released SATIC code (inherited from ruotianluo's
+self-critical.pytorch, "not allowing same word in a row", off by default there; the released code applies it only
+at a group's first position). Here it holds at every position, inside a group too: the K positions of a group
+are then chosen one after the other (greedy: arg-max of each position without the word chosen just before;
+beam search expands position by position anyway). Radix models write a word as ``word_tokens`` digits: the
+constraint bans the last digit that would complete the previous word again. Banned tokens only leave the choice;
+every reported log-prob stays the model's own.
 """
 
 from __future__ import annotations
@@ -183,6 +192,38 @@ def _mask_specials(model, logp: torch.Tensor) -> torch.Tensor:
     return logp
 
 
+def _repeat_ban(hist: torch.Tensor, d: int) -> torch.Tensor | None:
+    """The token that would repeat the previous word at the next output position, per row (-1: none), or None
+    when the next position cannot complete a repeat. ``hist`` (R, p): each row's output tokens so far; a word is
+    ``d`` tokens (1 for word models, the radix digits per word for radix models)."""
+    p = hist.shape[1]
+    if p % d != d - 1 or p < 2 * d - 1:  # the next token does not end a word, or there is no previous word
+        return None
+    prev = hist[:, p - 2 * d + 1 : p - d + 1]  # the previous word's d tokens
+    same = (hist[:, p - d + 1 :] == prev[:, :-1]).all(1)  # the current word's first d-1 tokens repeat it so far
+    return torch.where(same, prev[:, -1], torch.full_like(prev[:, -1], -1))
+
+
+def _ban(logp: torch.Tensor, ban: torch.Tensor | None) -> torch.Tensor:
+    """``logp`` (R, V) with token ``ban[r]`` of row r set to -inf (none where ban < 0); in place."""
+    if ban is not None:
+        idx = ban.clamp(min=0)[:, None]
+        logp.scatter_(-1, idx, torch.where(ban[:, None] >= 0, float("-inf"), logp.gather(-1, idx)))
+    return logp
+
+
+def _choose_constrained(logp: torch.Tensor, past: torch.Tensor, d: int,
+                        choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A group's K tokens chosen position by position, none repeating the word before it. ``logp`` (A, K, V)
+    (banned entries set to -inf in place), ``past`` (A, t) the rows' earlier output tokens -> tokens (A, K)."""
+    a, k, _ = logp.shape
+    tok = torch.empty(a, k, dtype=torch.long, device=logp.device)
+    for j in range(k):
+        _ban(logp[:, j], _repeat_ban(torch.cat([past, tok[:, :j]], 1), d))
+        tok[:, j] = choose(logp[:, j : j + 1]).squeeze(1)
+    return tok
+
+
 def _outside_inference(d: Decoded) -> Decoded:
     def c(t):
         return None if t is None else t.clone()
@@ -205,11 +246,12 @@ def _row_outputs(model, memory, max_len: int):
 
 
 def _rowwise(model, memory, max_len: int, use_cache: bool,
-             choose: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+             choose: Callable[[torch.Tensor], torch.Tensor], constraint: int = 0) -> tuple[torch.Tensor, ...]:
     """Decode every memory row independently; ``choose(logp (A, K, V)) -> tokens (A, K)``.
 
     Finished rows leave the batch (cache, prefix and memory keep only the open rows), and decoding stops
-    as soon as every row is finished. Returns (tokens (N, L), token log-probs (N, L), lengths (N,))."""
+    as soon as every row is finished. ``constraint`` d > 0: the decoding constraint with words of d tokens.
+    Returns (tokens (N, L), token log-probs (N, L), lengths (N,))."""
     max_len, steps, k, eos, n, dev, toks, tlp, lengths = _row_outputs(model, memory, max_len)
     active = torch.arange(n, device=dev)  # original row of each open row
     offs = torch.arange(k, device=dev)
@@ -217,7 +259,7 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
     inp = model.start_tokens(n, device=dev)
     for s in range(steps):
         logp = _mask_specials(model, stepper.step(inp).float())  # (A, K, V)
-        tok = choose(logp)
+        tok = _choose_constrained(logp, toks[active, : s * k], constraint, choose) if constraint else choose(logp)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         is_eos = tok == eos
         # a position is kept if it is not after the group's first EOS and within max_len
@@ -239,7 +281,7 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
     return toks[:, :width], tlp[:, :width], lengths
 
 
-def _greedy_static(model, memory, max_len: int, graphs: bool) -> tuple[torch.Tensor, ...]:
+def _greedy_static(model, memory, max_len: int, graphs: bool, constraint: int = 0) -> tuple[torch.Tensor, ...]:
     """Greedy on the static engine: every row stays in the batch (finished rows' outputs are ignored) and the
     host checks "all finished" every CHECK_EVERY steps. Same results as ``_rowwise`` with arg-max."""
     max_len, steps, k, eos, n, dev, toks, tlp, lengths = _row_outputs(model, memory, max_len)
@@ -249,7 +291,10 @@ def _greedy_static(model, memory, max_len: int, graphs: bool) -> tuple[torch.Ten
     inp = model.start_tokens(n, device=dev)
     for s in range(steps):
         logp = _mask_specials(model, stepper.step(inp).float())  # (N, K, V)
-        tok = logp.argmax(-1)
+        if constraint:
+            tok = _choose_constrained(logp, toks[:, : s * k], constraint, lambda lp: lp.argmax(-1))
+        else:
+            tok = logp.argmax(-1)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         is_eos = tok == eos
         keep = ((is_eos.cumsum(1) - is_eos.long()) == 0) & (offs < max_len - s * k)[None] & ~done[:, None]
@@ -275,15 +320,23 @@ def _pack(toks, tlp, lengths, b: int, per: int) -> Decoded:
     )
 
 
+def _constraint(decoding_constraint: bool, word_tokens: int) -> int:
+    if word_tokens < 1:
+        raise ValueError(f"word_tokens must be >= 1, got {word_tokens}")
+    return word_tokens if decoding_constraint else 0
+
+
 def greedy(model, memory, max_len: int = 16, use_cache: bool = True, static_cache: bool | None = None,
-           graphs: bool | None = None) -> Decoded:
+           graphs: bool | None = None, decoding_constraint: bool = False, word_tokens: int = 1) -> Decoded:
     """Greedy decoding: each step takes the arg-max at each of its K positions (n = 1). ``static_cache`` /
-    ``graphs``: the engine (see the module's doc; ``graphs=None`` = CUDA graphs on CUDA in eval mode)."""
+    ``graphs``: the engine (see the module's doc; ``graphs=None`` = CUDA graphs on CUDA in eval mode).
+    ``decoding_constraint``: no word right after itself (words of ``word_tokens`` tokens; see the module's doc)."""
+    constraint = _constraint(decoding_constraint, word_tokens)
 
     def run(static: bool, use_graphs: bool):
         if static:
-            return _greedy_static(model, memory, max_len, use_graphs)
-        return _rowwise(model, memory, max_len, use_cache, lambda lp: lp.argmax(-1))
+            return _greedy_static(model, memory, max_len, use_graphs, constraint)
+        return _rowwise(model, memory, max_len, use_cache, lambda lp: lp.argmax(-1), constraint)
 
     with torch.inference_mode():
         b = memory.states.shape[0]
@@ -293,14 +346,17 @@ def greedy(model, memory, max_len: int = 16, use_cache: bool = True, static_cach
 
 
 def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.0,
-           generator: torch.Generator | None = None, use_cache: bool = True) -> Decoded:
+           generator: torch.Generator | None = None, use_cache: bool = True, decoding_constraint: bool = False,
+           word_tokens: int = 1) -> Decoded:
     """``n`` multinomial samples per image from ``softmax(log p / temperature)`` (PAD/BOS excluded).
 
     The K positions of a group are sampled independently (they are predicted in parallel). The reported
     ``token_logprobs`` / ``logprobs`` are the *model's* log-probs of the sampled tokens (temperature-free
     log-softmax, PAD/BOS not renormalised away), i.e. the policy's log-prob that SCST needs - not the log-prob
     under the tempered sampling distribution. Reproducible with ``generator`` (on the memory's device).
-    Samples of image b are rows ``b*n .. b*n+n-1`` of the flattened output."""
+    Samples of image b are rows ``b*n .. b*n+n-1`` of the flattened output. ``decoding_constraint``: see greedy
+    (the banned word is not sampled; the others keep their probabilities relative to each other)."""
+    constraint = _constraint(decoding_constraint, word_tokens)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if temperature <= 0:
@@ -313,14 +369,15 @@ def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.
 
     with torch.inference_mode():
         b = memory.states.shape[0]
-        toks, tlp, lengths = _rowwise(model, memory.repeat(n), max_len, use_cache, choose)
+        toks, tlp, lengths = _rowwise(model, memory.repeat(n), max_len, use_cache, choose, constraint)
         out = _pack(toks, tlp, lengths, b, n)
     return _outside_inference(out)
 
 
 # ---------------------------------------------------------------------- beam search
 def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty: float = 0.0, n_best: int = 1,
-                use_cache: bool = True, static_cache: bool | None = None, graphs: bool | None = None) -> Decoded:
+                use_cache: bool = True, static_cache: bool | None = None, graphs: bool | None = None,
+                decoding_constraint: bool = False, word_tokens: int = 1) -> Decoded:
     """Group-aware beam search; returns the ``n_best`` best hypotheses per image, best first.
 
     Scores are sums of token log-probs (no length normalisation by default). Inside a group the K positions
@@ -341,15 +398,18 @@ def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty:
     sums. With alpha = 0 the search stops as soon as every image's ``n_best`` best slots are finished
     (scores can only fall, so nothing can overtake them); otherwise when every slot is finished or at max_len.
     (The static engine looks every CHECK_EVERY steps; the extra steps only append PAD to finished slots.)
-    ``static_cache`` / ``graphs``: the engine (see the module's doc).
+    ``static_cache`` / ``graphs``: the engine (see the module's doc). ``decoding_constraint``: no hypothesis is
+    extended with the word it just ended with (words of ``word_tokens`` tokens; see the module's doc).
     """
+    constraint = _constraint(decoding_constraint, word_tokens)
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best must be in 1..beam ({beam}), got {n_best}")
 
     def run(static: bool, use_graphs: bool) -> Decoded:
-        return _beam(model, memory, beam, max_len, float(length_penalty), n_best, use_cache, static, use_graphs)
+        return _beam(model, memory, beam, max_len, float(length_penalty), n_best, use_cache, static, use_graphs,
+                     constraint)
 
     with torch.inference_mode():
         out = _run_engine(run, model, memory, use_cache, static_cache, graphs)
@@ -357,7 +417,7 @@ def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty:
 
 
 def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_cache: bool, static: bool = False,
-          graphs: bool = False) -> Decoded:
+          graphs: bool = False, constraint: int = 0) -> Decoded:
     max_len, steps = _steps(model, max_len)
     k, eos = int(model.group_size), int(model.eos)
     b = memory.states.shape[0]
@@ -390,6 +450,8 @@ def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_ca
             if p >= max_len:
                 break
             lp_j = logp[:, j].index_select(0, parent.reshape(-1)).view(b, w, v)
+            if constraint:
+                _ban(lp_j.view(b * w, v), _repeat_ban(toks[:, :, :p].reshape(b * w, p), constraint))
             cand = scores[..., None] + lp_j  # open hypotheses: any token
             pad_only = torch.full_like(cand, neg_inf)
             pad_only[..., PAD] = scores

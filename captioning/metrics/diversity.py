@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from itertools import pairwise
 
 _WORD = re.compile(r"[^\W_]+(?:['\u2019-][^\W_]+)*")
 
@@ -46,4 +47,33 @@ def caption_stats(captions: Mapping[int, str], train_captions: Iterable[str]) ->
         "unique_fraction": len(set(norm)) / n,
         "avg_length": sum(len(w) for w in words) / n,
         "vocab_used": len({w for ws in words for w in ws}),
+    }
+
+
+def repetition_stats(captions: Iterable[str]) -> dict:
+    """Distinct captions and immediate word repetitions of generated captions (one per image).
+
+    The degenerate outputs of semi-autoregressive and radix decoders repeat a word right after itself ("on the
+    beach beach", "in field field field"); this counts exactly that, on the words of :func:`caption_words`.
+
+    Returns ``{"captions": n, "distinct_captions": distinct normalised captions, "distinct_fraction":
+    distinct / n, "repeat_caption_fraction": share of captions with some word equal to the word before it,
+    "repeated_token_rate": words equal to the word before them / all words (0 when there are no words)}``.
+    ``"a man and a dog"`` repeats nothing ("a" comes back, but not right after itself); ``"field field field"``
+    has 2 repeated words out of 3.
+    """
+    caps = list(captions)
+    if not caps:
+        raise ValueError("repetition_stats needs at least one caption")
+    words = [caption_words(c) for c in caps]
+    repeats = [sum(a == b for a, b in pairwise(w)) for w in words]
+    total = sum(len(w) for w in words)
+    n = len(caps)
+    distinct = len({normalize_caption(c) for c in caps})
+    return {
+        "captions": n,
+        "distinct_captions": distinct,
+        "distinct_fraction": distinct / n,
+        "repeat_caption_fraction": sum(r > 0 for r in repeats) / n,
+        "repeated_token_rate": sum(repeats) / total if total else 0.0,
     }

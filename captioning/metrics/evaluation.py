@@ -28,11 +28,21 @@ from captioning.models.params import count
 from captioning.precision import autocast
 
 
+def _constraint(decoding_constraint: bool, codec: RadixCodec | None) -> dict:
+    """Search keywords of the decoding constraint (a radix word is ``codec.digits`` tokens)."""
+    if not decoding_constraint:
+        return {}
+    return {"decoding_constraint": True, "word_tokens": codec.digits if codec is not None else 1}
+
+
 def predict(model, source: FeatureSource, rows: np.ndarray, vocab: Vocabulary, *, codec: RadixCodec | None,
             max_tokens: int, beam: int = 3, batch_size: int = 50, device: str | torch.device = "cpu",
-            progress: bool = False, desc: str = "decoding", precision: str = "fp32") -> dict[int, str]:
+            progress: bool = False, desc: str = "decoding", precision: str = "fp32",
+            decoding_constraint: bool = False) -> dict[int, str]:
     """``{image id: caption}`` for the images of ``rows`` (beam 1 = greedy); ``precision``: see
-    :mod:`captioning.precision` (autocast on CUDA only; the search itself scores in float32)."""
+    :mod:`captioning.precision` (autocast on CUDA only; the search itself scores in float32);
+    ``decoding_constraint``: no word right after itself (:mod:`captioning.decoding.search`)."""
+    kw = _constraint(decoding_constraint, codec)
     model.eval()
     out: dict[int, str] = {}
     n_batches = -(-len(rows) // batch_size)
@@ -41,8 +51,8 @@ def predict(model, source: FeatureSource, rows: np.ndarray, vocab: Vocabulary, *
         b = b.to(device)
         with torch.inference_mode(), autocast(precision, device, cache=False):
             memory = model.encode(b.features.float(), b.boxes, b.region_mask)
-            d = greedy(model, memory, max_len=max_tokens) if beam == 1 else \
-                beam_search(model, memory, beam=beam, max_len=max_tokens)
+            d = greedy(model, memory, max_len=max_tokens, **kw) if beam == 1 else \
+                beam_search(model, memory, beam=beam, max_len=max_tokens, **kw)
         for iid, cap in zip(b.image_ids.tolist(), to_words(d.flat(), vocab, codec), strict=True):
             out[int(iid)] = cap
     return out
@@ -66,8 +76,10 @@ def greedy_cider_validator(source: FeatureSource, rows: np.ndarray, references: 
 
 
 def latency_ms(model, source: FeatureSource, rows: np.ndarray, *, max_tokens: int, beam: int = 3, images: int = 20,
-               device: str | torch.device = "cpu", precision: str = "fp32") -> float:
+               device: str | torch.device = "cpu", precision: str = "fp32", decoding_constraint: bool = False,
+               codec: RadixCodec | None = None) -> float:
     """Median wall time (ms) to caption one image (encode + beam search, batch 1) over ``images`` images."""
+    kw = _constraint(decoding_constraint, codec)
     model.eval()
     times = []
     picked = np.sort(np.asarray(rows)[:images])
@@ -79,9 +91,9 @@ def latency_ms(model, source: FeatureSource, rows: np.ndarray, *, max_tokens: in
         with torch.inference_mode(), autocast(precision, device, cache=False):
             memory = model.encode(b.features.float(), b.boxes, b.region_mask)
             if beam == 1:
-                greedy(model, memory, max_len=max_tokens)
+                greedy(model, memory, max_len=max_tokens, **kw)
             else:
-                beam_search(model, memory, beam=beam, max_len=max_tokens)
+                beam_search(model, memory, beam=beam, max_len=max_tokens, **kw)
         if device != "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()
         if i:  # the first call warms up allocators and kernels
@@ -93,10 +105,12 @@ def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: M
                    vocab: Vocabulary, *, codec: RadixCodec | None, max_tokens: int, beam: int = 3,
                    train_captions: Iterable[str] = (), params_convention: str = "full",
                    spice_jars: str | Path | None = None, latency_images: int = 20, batch_size: int = 50,
-                   device: str | torch.device = "cpu", progress: bool = False, precision: str = "fp32") -> dict:
+                   device: str | torch.device = "cpu", progress: bool = False, precision: str = "fp32",
+                   decoding_constraint: bool = False) -> dict:
     """Predictions + metrics JSON of one model on one split (ARCHITECTURE.md, "Predictions and metrics")."""
     preds = predict(model, source, rows, vocab, codec=codec, max_tokens=max_tokens, beam=beam,
-                    batch_size=batch_size, device=device, progress=progress, precision=precision)
+                    batch_size=batch_size, device=device, progress=progress, precision=precision,
+                    decoding_constraint=decoding_constraint)
     scored = score(preds, references, spice_jars=spice_jars)
     stats = caption_stats(preds, train_captions)
     return {
@@ -107,7 +121,9 @@ def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: M
         "params": count(model, params_convention),
         "params_convention": params_convention,
         "latency_ms": latency_ms(model, source, rows, max_tokens=max_tokens, beam=beam, images=latency_images,
-                                 device=device, precision=precision),
+                                 device=device, precision=precision, decoding_constraint=decoding_constraint,
+                                 codec=codec),
+        "decoding_constraint": decoding_constraint,
         "novel_fraction": stats["novel_fraction"],
         "unique_fraction": stats["unique_fraction"],
         "avg_length": stats["avg_length"],

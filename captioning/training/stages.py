@@ -179,13 +179,17 @@ def params_convention(arch_name: str) -> str:
 
 
 def evaluate(ctx: StageContext, model: Captioner, *, split: str = "test", arch_name: str = "aic",
-             latency_images: int = 20) -> dict[str, Any]:
-    """Beam-decode ``split`` and score it (metrics, params, latency, novelty, length, predictions)."""
+             latency_images: int = 20, decoding_constraint: bool | None = None) -> dict[str, Any]:
+    """Beam-decode ``split`` and score it (metrics, params, latency, novelty, length, predictions).
+    ``decoding_constraint``: None = ``evaluation.decoding_constraint``."""
+    if decoding_constraint is None:
+        decoding_constraint = ctx.cfg.evaluation.decoding_constraint
     return evaluate_model(
         model, ctx.source, ctx.rows(split), ctx.text_references(split), ctx.vocab, codec=codec_for(model, ctx.vocab),
         max_tokens=ctx.max_tokens(model), beam=ctx.cfg.evaluation.beam, train_captions=ctx.train_captions(),
         params_convention=params_convention(arch_name), spice_jars=ctx.cfg.evaluation.spice_jars,
-        latency_images=latency_images, device=ctx.device, progress=ctx.progress, precision=ctx.precision)
+        latency_images=latency_images, device=ctx.device, progress=ctx.progress, precision=ctx.precision,
+        decoding_constraint=decoding_constraint)
 
 
 # ---------------------------------------------------------------------- one model, one or N processes
