@@ -44,21 +44,16 @@ def test_bench_decode_reports_speedups():
     assert all(r["encoder_ms_batch1"] > 0 and r["images_per_s_batch2"] > 0 for r in res["rows"])
 
 
-def test_bench_learning_cli_json_small(capsys, tmp_path, monkeypatch):
-    """Every stage of the learning bench at the smallest size: structure, consistency, the baseline.
-
-    One seed (the CLI has no ``--seeds`` flag yet: the library function's default is 3 seeds, ~3x as long)."""
-    import functools
-
-    import captioning.bench.learning as learning
-
-    monkeypatch.setattr(learning, "run", functools.partial(learning.run, seeds=1))
+def test_bench_learning_cli_json_small(capsys, tmp_path):
+    """Every stage of the learning bench at the smallest size, one seed (``--seeds 1``): structure, consistency,
+    the baseline."""
     sets = ["dataset.synthetic.num_images=48", "dataset.synthetic.val_fraction=0.2",
             "dataset.synthetic.test_fraction=0.2", "students.size=tiny", "teacher.model.d_model=32",
             "teacher.model.layers=1", "teacher.model.heads=2", "teacher.model.d_ff=64", "teacher.xe.epochs=1",
             "students.xe.epochs=1", "students.scst.epochs=1", "students.scst.samples=2", "loader.batch_size=16",
             "evaluation.beam=2", "students.seqkd_beam=2"]
-    rc = main(["bench", "learning", "--json", "--tmp", str(tmp_path), *[a for s in sets for a in ("--set", s)]])
+    rc = main(["bench", "learning", "--json", "--seeds", "1", "--tmp", str(tmp_path),
+               *[a for s in sets for a in ("--set", s)]])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "learning" and out["images"] == 48

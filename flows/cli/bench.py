@@ -55,8 +55,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.name == "learning":
         from captioning.bench.learning import run as run_learning
 
+        if args.seeds < 1:
+            raise CLIError("--seeds must be >= 1")
         result = run_learning(preset=args.preset or "learning", overrides=tuple(args.overrides), workdir=args.tmp,
-                              progress=not args.json)
+                              progress=not args.json, seeds=args.seeds)
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
@@ -90,6 +92,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extract, learning: config overrides")
     b.add_argument("--threads", type=int, default=1, help="extract: torch threads per model")
+    b.add_argument("--seeds", type=int, default=3, help="learning: full runs with seeds 0..N-1 added to the preset's "
+                   "(default 3); every number as mean and sd, ratios on the means, claims counted per seed")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48)")
     b.add_argument("--batch-size", type=int, help="images per batch (loader, cider; default 50)")
