@@ -137,7 +137,8 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
         "tracking_uri": tracker.display_uri,  # credentials (from MLFLOW_TRACKING_URI) masked
         "experiment_id": tracker.experiment_id,
         "leaderboard": [{k: r[k] for k in ("student", "preset", "metrics", "params", "latency_ms", "unique_fraction",
-                                           "model_version")} for r in board["leaderboard"]],
+                                           "distinct_captions", "repeated_token_rate", "model_version")}
+                        for r in board["leaderboard"]],
         "failed": board["failed"],
         "champion": {"version": promo.champion_version, "changed": promo.changed, "reason": promo.reason,
                      "student": promo.candidate if promo.changed else None},

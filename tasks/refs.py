@@ -114,6 +114,8 @@ class StudentResult(Ref):
     checkpoint: str  # <model folder>/model.pt
     predictions: str
     references: str
+    distinct_captions: int = 0  # degenerate output shows here: few distinct captions, words repeated in a row
+    repeated_token_rate: float = 0.0
 
 
 @dataclass(frozen=True)

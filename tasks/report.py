@@ -30,18 +30,21 @@ def rank(results: list[StudentResult | StudentFailure]) -> tuple[list[StudentRes
 def leaderboard_rows(ranked: list[StudentResult]) -> list[dict[str, Any]]:
     """The leaderboard's JSON rows (``leaderboard.json``, the run summary)."""
     return [{"student": r.student, "preset": r.preset, "metrics": r.metrics, "params": r.params,
-             "latency_ms": r.latency_ms, "unique_fraction": r.unique_fraction, "run_id": r.run_id,
+             "latency_ms": r.latency_ms, "unique_fraction": r.unique_fraction,
+             "distinct_captions": r.distinct_captions, "repeated_token_rate": r.repeated_token_rate, "run_id": r.run_id,
              "model_version": r.model_version} for r in ranked]
 
 
 def markdown(rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> str:
     """The one leaderboard table (MLflow ``leaderboard.md``, the Prefect run summary, ``capflow run``)."""
-    head = "| rank | student | preset | " + " | ".join(COLUMNS) + " | params | latency ms | distinct |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 6)]
+    head = ("| rank | student | preset | " + " | ".join(COLUMNS)
+            + " | params | latency ms | distinct captions | repeated words |")
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 7)]
     for i, r in enumerate(rows, 1):
         m = r["metrics"]
         lines.append(f"| {i} | {r['student']} | {r['preset']} | " + " | ".join(_fmt(m.get(c)) for c in COLUMNS)
-                     + f" | {r['params']:,} | {r['latency_ms']:.1f} | {_fmt(r.get('unique_fraction'))} |")
+                     + f" | {r['params']:,} | {r['latency_ms']:.1f} | {_fmt(r.get('distinct_captions'))} "
+                     f"| {_fmt(r.get('repeated_token_rate'))} |")
     for f in failed:
         lines.append(f"| - | {f['student']} | FAILED: {f['error'][:80]} |")
     return "\n".join(lines) + "\n"

@@ -181,8 +181,8 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
             ev = evaluate(ctx, model, arch_name=name)
             preds = ev.pop("predictions")
             test = {k: v for k, v in ev["metrics"].items() if v is not None}
-            summary = {"params": ev["params"], "latency_ms": ev["latency_ms"], "novel_fraction": ev["novel_fraction"],
-                       "avg_length": ev["avg_length"], "unique_fraction": ev["unique_fraction"]}
+            summary = {k: ev[k] for k in ("params", "latency_ms", "novel_fraction", "avg_length", "unique_fraction",
+                                          "distinct_captions", "repeat_caption_fraction", "repeated_token_rate")}
             rc.tracker.metrics(erun, {**test, **summary})
             rc.tracker.json_artifact(erun, "predictions.json", preds)
             rc.tracker.json_artifact(erun, "metrics.json", ev)
@@ -208,7 +208,8 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
         student=name, preset=pname, run_id=run, metrics=ev["metrics"], params=ev["params"],
         latency_ms=ev["latency_ms"], novel_fraction=ev["novel_fraction"], avg_length=ev["avg_length"],
         unique_fraction=ev["unique_fraction"], model_version=version, test_set=data.digest,
-        checkpoint=str(model_dir / "model.pt"), predictions=str(pred_path), references=str(ref_path)))
+        checkpoint=str(model_dir / "model.pt"), predictions=str(pred_path), references=str(ref_path),
+        distinct_captions=ev["distinct_captions"], repeated_token_rate=ev["repeated_token_rate"]))
 
 
 teacher_task = task(teacher, name="train-teacher", **RETRY)

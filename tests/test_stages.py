@@ -3,6 +3,7 @@ leaderboard ranking and the promotion decision (no servers, seconds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -80,7 +81,8 @@ def _student(name, cider, params=100, version="1"):
 
 
 def test_leaderboard_ranks_by_cider_then_size_then_name_and_lists_failures():
-    results = [_student("a", 0.3), _student("b", 0.5, params=200), _student("c", 0.5, params=100),
+    degenerate = dataclasses.replace(_student("a", 0.3), distinct_captions=7, repeated_token_rate=0.25)
+    results = [degenerate, _student("b", 0.5, params=200), _student("c", 0.5, params=100),
                StudentFailure(student="d", error="ValueError: x"), _student("e", None)]
     ranked, failed = rank(results)
     assert [r.student for r in ranked] == ["c", "b", "a", "e"] and [f.student for f in failed] == ["d"]
@@ -89,6 +91,7 @@ def test_leaderboard_ranks_by_cider_then_size_then_name_and_lists_failures():
     lines = table.splitlines()
     assert lines[2].startswith("| 1 | c | c |") and lines[-1] == "| - | d | FAILED: ValueError: x |"
     assert "| n/a |" in lines[5]  # e has no CIDEr
+    assert lines[4].startswith("| 3 | a |") and lines[4].endswith("| 7 | 0.250 |")  # distinct captions, repeats
 
 
 def test_promotion_decision():

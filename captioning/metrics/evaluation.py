@@ -23,7 +23,7 @@ from captioning.data.text import RadixCodec, Vocabulary
 from captioning.decoding import beam_search, greedy, to_words
 from captioning.metrics.cider import CiderD
 from captioning.metrics.coco import score
-from captioning.metrics.diversity import caption_stats
+from captioning.metrics.diversity import caption_stats, repetition_stats
 from captioning.models.params import count
 from captioning.precision import autocast
 
@@ -113,6 +113,7 @@ def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: M
                     decoding_constraint=decoding_constraint)
     scored = score(preds, references, spice_jars=spice_jars)
     stats = caption_stats(preds, train_captions)
+    reps = repetition_stats(preds.values())
     return {
         "metrics": scored["metrics"],
         "spice": scored["spice"],
@@ -128,5 +129,8 @@ def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: M
         "unique_fraction": stats["unique_fraction"],
         "avg_length": stats["avg_length"],
         "vocab_used": stats["vocab_used"],
+        "distinct_captions": reps["distinct_captions"],
+        "repeat_caption_fraction": reps["repeat_caption_fraction"],
+        "repeated_token_rate": reps["repeated_token_rate"],
         "predictions": [{"image_id": k, "caption": v} for k, v in sorted(preds.items())],
     }
