@@ -9,7 +9,9 @@ from captioning.features.parallel import store_key
 
 # store_key values computed by the code before the GPU extraction work (commit 30888d5) for the same settings
 PINNED = [
-    ("demo", ["features.extractor.device=cpu"], "cdbb4c7ce7f6bd36"),
+    # the demo preset's extraction settings of that commit (it now keeps 12 proposals and at most 12 boxes)
+    ("demo", ["features.extractor.device=cpu", "features.extractor.proposals=50", "features.max_boxes=16"],
+     "cdbb4c7ce7f6bd36"),
     ("coco", ["features.extractor.weights=null", "features.extractor.device=cpu"], "673c6ead24faa951"),
     (None, ["features.extractor.amp=true", "features.extractor.device=cpu"], "e1fdd7937bcf0c6d"),
 ]
