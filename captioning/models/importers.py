@@ -223,6 +223,13 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
         emb[unk], gen_w[unk], gen_b[unk] = lut[unk_row], proj_w[unk_row], proj_b[unk_row]
     out.update({"embed.weight": emb, "generator.weight": gen_w, "generator.bias": gen_b})
 
+    _check_rest(sd, used, family, d)
+    return cfg, out, kept
+
+
+def _check_rest(sd: dict[str, torch.Tensor], used: set[str], family: str, d: int) -> None:
+    """The Annotated-Transformer tail: the stored position table must be capflow's sinusoid table (checked, not
+    copied), and every other key must have been used."""
     pe = sd.get("model.tgt_embed.1.pe")
     if pe is not None:
         used.add("model.tgt_embed.1.pe")
@@ -232,7 +239,6 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
     unknown = sorted(set(sd) - used)
     if unknown:
         raise ImportCheckpointError(f"unknown keys in the released {family} state dict: {', '.join(unknown)}")
-    return cfg, out, kept
 
 
 def convert_expansionnet(sd: dict[str, torch.Tensor], words: list[str], *, heads: int = 8
@@ -524,15 +530,7 @@ def convert_relation(sd: dict[str, torch.Tensor], family: str, pieces: list[str]
         lut, proj_w, proj_b = lut[rows], proj_w[rows], proj_b[rows]
     out.update({"embed.weight": lut, "generator.weight": proj_w, "generator.bias": proj_b})
 
-    pe = sd.get("model.tgt_embed.1.pe")
-    if pe is not None:
-        used.add("model.tgt_embed.1.pe")
-        table = sinusoid_table(min(pe.shape[-2], 64), d)
-        if not torch.allclose(pe.reshape(-1, d)[: table.shape[0]].float(), table, atol=1e-4):
-            raise ImportCheckpointError("model.tgt_embed.1.pe is not the sinusoid table capflow uses")
-    unknown = sorted(set(sd) - used)
-    if unknown:
-        raise ImportCheckpointError(f"unknown keys in the released {family} state dict: {', '.join(unknown)}")
+    _check_rest(sd, used, family, d)
     return cfg, out, words
 
 
