@@ -170,15 +170,8 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
     # SATIC and AIC release a standard FFN; ZoDIAC's released classes have none (registry.released)
     linears = ("q", "q2", "k_proj", "v", "o") if family == "zodiac" else ("q", "k_proj", "v", "o")
 
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-
-    def take(src: str, dst: str) -> None:
-        if src not in sd:
-            raise ImportCheckpointError(f"missing key {src}")
-        out[dst] = sd[src]
-        used.add(src)
-
+    keys = _Keys(sd)
+    take, out, used = keys.take, keys.out, keys.used
     take("att_embed.0.weight", "input_proj.weight")
     take("att_embed.0.bias", "input_proj.bias")
     for stack, n in (("encoder", n_enc), ("decoder", n_dec)):
@@ -189,12 +182,7 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
                 for j, name in enumerate(linears):
                     for p in ("weight", "bias"):
                         take(f"{src}{a_src}.linears.{j}.{p}", f"{dst}{a_dst}.{name}.{p}")
-            for w in ("1", "2"):
-                for p in ("weight", "bias"):
-                    take(f"{src}feed_forward.w_{w}.{p}", f"{dst}ffn.w{w}.{p}")
-            for j in range(len(attns) + 1):
-                take(f"{src}sublayer.{j}.norm.a_2", f"{dst}sub{j + 1}.norm.weight")
-                take(f"{src}sublayer.{j}.norm.b_2", f"{dst}sub{j + 1}.norm.bias")
+            keys.take_all(_ffn_and_norms(src, dst, len(attns) + 1))
         take(f"model.{stack}.norm.a_2", f"{stack}.norm.weight")
         take(f"model.{stack}.norm.b_2", f"{stack}.norm.bias")
 
@@ -227,6 +215,67 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
     return cfg, out, kept
 
 
+class _Keys:
+    """Released tensors taken into a capflow state dict (``out``); a missing key is an error naming it, and
+    ``used`` collects what was read (the rest are unknown keys: :func:`_check_unknown`)."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]):
+        self.sd = sd
+        self.out: dict[str, torch.Tensor] = {}
+        self.used: set[str] = set()
+
+    def get(self, src: str) -> torch.Tensor:
+        if src not in self.sd:
+            raise ImportCheckpointError(f"missing key {src}")
+        self.used.add(src)
+        return self.sd[src]
+
+    def take(self, src: str, dst: str) -> None:
+        self.out[dst] = self.get(src)
+
+    def take_all(self, pairs: list[tuple[str, str]]) -> None:
+        for src, dst in pairs:
+            self.take(src, dst)
+
+
+_WB = (("weight", "weight"), ("bias", "bias"))  # nn.Linear / nn.LayerNorm parameters
+_AB = (("a_2", "weight"), ("b_2", "bias"))  # the Annotated Transformer's LayerNorm parameters
+
+
+def _pairs(src: str, dst: str, modules: dict[str, str], params=_WB) -> list[tuple[str, str]]:
+    """(released key, capflow key) for every parameter of every module: ``src + module + "." + param``."""
+    return [(f"{src}{m}.{p}", f"{dst}{c}.{q}") for m, c in modules.items() for p, q in params]
+
+
+def _ffn_and_norms(src: str, dst: str, n_sub: int) -> list[tuple[str, str]]:
+    """An Annotated-Transformer layer's feed-forward and sublayer norms (AIC/SATIC/ZoDIAC, ORT/ACORT)."""
+    ffn = _pairs(src, dst, {"feed_forward.w_1": "ffn.w1", "feed_forward.w_2": "ffn.w2"})
+    return ffn + _pairs(src, dst, {f"sublayer.{j}.norm": f"sub{j + 1}.norm" for j in range(n_sub)}, _AB)
+
+
+def _check_unknown(sd: dict[str, torch.Tensor], used: set[str], family: str) -> None:
+    unknown = sorted(set(sd) - used)
+    if unknown:
+        raise ImportCheckpointError(f"unknown keys in the released {family} state dict: {', '.join(unknown)}")
+
+
+def _specials_last(words: list[str], specials: tuple[str, str, str, str]) -> tuple[torch.Tensor, list[str]]:
+    """A released vocabulary holding every special (id order) -> (``perm``, capflow's words): capflow id ``c`` is
+    released id ``perm[c]``, for capflow's order ``<pad>``, ``<bos>``, ``<eos>``, the words in released id
+    order, ``<unk>`` (``specials`` names the released pad, bos, eos and unk tokens). A pure permutation of the
+    embedding and output rows: every log-prob is unchanged."""
+    absent = [w for w in specials if w not in words]
+    if absent:
+        raise ImportCheckpointError(f"the vocabulary lacks the released special words {', '.join(absent)}")
+    if len(set(words)) != len(words):
+        raise ImportCheckpointError("the vocabulary has duplicate words")
+    index = {w: i for i, w in enumerate(words)}
+    kept = [w for w in words if w not in specials]
+    pad, bos, eos, unk = specials
+    order = [index[pad], index[bos], index[eos], *(index[w] for w in kept), index[unk]]
+    return torch.tensor(order), kept
+
+
 def _check_rest(sd: dict[str, torch.Tensor], used: set[str], family: str, d: int) -> None:
     """The Annotated-Transformer tail: the stored position table must be capflow's sinusoid table (checked, not
     copied), and every other key must have been used."""
@@ -236,9 +285,7 @@ def _check_rest(sd: dict[str, torch.Tensor], used: set[str], family: str, d: int
         table = sinusoid_table(min(pe.shape[-2], 64), d)
         if not torch.allclose(pe.reshape(-1, d)[: table.shape[0]].float(), table, atol=1e-4):
             raise ImportCheckpointError("model.tgt_embed.1.pe is not the sinusoid table capflow uses")
-    unknown = sorted(set(sd) - used)
-    if unknown:
-        raise ImportCheckpointError(f"unknown keys in the released {family} state dict: {', '.join(unknown)}")
+    _check_unknown(sd, used, family)
 
 
 def convert_expansionnet(sd: dict[str, torch.Tensor], words: list[str], *, heads: int = 8
@@ -254,11 +301,7 @@ def convert_expansionnet(sd: dict[str, torch.Tensor], words: list[str], *, heads
     missing = [k for k in need if k not in sd]
     if missing:
         raise ImportCheckpointError(f"not a released expansionnet state dict: missing {', '.join(missing)}")
-    absent = [w for w in EXPANSIONNET_SPECIALS if w not in words]
-    if absent:
-        raise ImportCheckpointError(f"the vocabulary lacks the released special words {', '.join(absent)}")
-    if len(set(words)) != len(words):
-        raise ImportCheckpointError("the vocabulary has duplicate words")
+    perm, kept = _specials_last(words, EXPANSIONNET_SPECIALS)
     n_out = sd["vocab_linear.weight"].shape[0]
     if n_out != len(words) or sd["out_embedder.embed.weight"].shape[0] != len(words):
         raise ImportCheckpointError(f"the checkpoint has {n_out} output classes, the vocabulary {len(words)} words "
@@ -309,10 +352,6 @@ def convert_expansionnet(sd: dict[str, torch.Tensor], words: list[str], *, heads
     take("pos_encoder", "pos", params=("weight",))
 
     # ids: capflow id -> released row (a permutation: the released vocabulary holds every special)
-    kept = [w for w in words if w not in EXPANSIONNET_SPECIALS]
-    index = {w: i for i, w in enumerate(words)}
-    order = [index["PAD"], index["SOS"], index["EOS"], *(index[w] for w in kept), index["UNK"]]
-    perm = torch.tensor(order)
     for key in ("out_embedder.embed.weight", "vocab_linear.weight", "vocab_linear.bias"):
         if key not in sd:
             raise ImportCheckpointError(f"missing key {key}")
@@ -320,9 +359,7 @@ def convert_expansionnet(sd: dict[str, torch.Tensor], words: list[str], *, heads
     out["embed.weight"] = sd["out_embedder.embed.weight"][perm]
     out["generator.weight"] = sd["vocab_linear.weight"][perm]
     out["generator.bias"] = sd["vocab_linear.bias"][perm]
-    unknown = sorted(set(sd) - used)
-    if unknown:
-        raise ImportCheckpointError(f"unknown keys in the released expansionnet state dict: {', '.join(unknown)}")
+    _check_unknown(sd, used, "expansionnet")
     return cfg, out, kept
 
 
@@ -482,18 +519,8 @@ def convert_relation(sd: dict[str, torch.Tensor], family: str, pieces: list[str]
         share=share, enc_share=enc_map if len(set(enc_map)) < n_enc else None,
         dec_share=dec_map if len(set(dec_map)) < n_dec else None)
 
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-
-    def get(src: str) -> torch.Tensor:
-        if src not in sd:
-            raise ImportCheckpointError(f"missing key {src}")
-        used.add(src)
-        return sd[src]
-
-    def take(src: str, dst: str) -> None:
-        out[dst] = get(src)
-
+    keys = _Keys(sd)
+    get, take, out, used = keys.get, keys.take, keys.out, keys.used
     linears = {None: ("q", "k_proj", "v", "o"), "kv": ("q", "k_proj", "o"), "qk": ("q", "v", "o")}[share]
     perm = box_channel_permutation(64)
     take("att_embed.0.weight", "input_proj.weight")
@@ -511,12 +538,7 @@ def convert_relation(sd: dict[str, torch.Tensor], family: str, pieces: list[str]
                 w = torch.cat([get(f"{src}self_attn.WGs.{h}.weight") for h in range(n_heads)])  # (h, 64)
                 out[f"{dst}geo.w.weight"] = w[:, perm]
                 out[f"{dst}geo.w.bias"] = torch.cat([get(f"{src}self_attn.WGs.{h}.bias") for h in range(n_heads)])
-            for w in ("1", "2"):
-                for p in ("weight", "bias"):
-                    take(f"{src}feed_forward.w_{w}.{p}", f"{dst}ffn.w{w}.{p}")
-            for j in range(len(attns) + 1):
-                take(f"{src}sublayer.{j}.norm.a_2", f"{dst}sub{j + 1}.norm.weight")
-                take(f"{src}sublayer.{j}.norm.b_2", f"{dst}sub{j + 1}.norm.bias")
+            keys.take_all(_ffn_and_norms(src, dst, len(attns) + 1))
         for pos, lid in enumerate(smap):  # the shared positions: equal tensors (that is how smap was read)
             if pos != firsts[lid]:
                 used.update(f"model.{stack}.layers.{pos}.{k}" for k in _layer_keys(sd, f"model.{stack}.layers.{pos}."))
@@ -526,7 +548,7 @@ def convert_relation(sd: dict[str, torch.Tensor], family: str, pieces: list[str]
     lut, proj_w, proj_b = (get("model.tgt_embed.0.lut.weight"), get("model.generator.proj.weight"),
                            get("model.generator.proj.bias"))
     if family == "ort":  # capflow <pad> <bos> <eos> words <unk> <- SentencePiece 0, 2, 3, 4.., 1
-        rows = torch.tensor([0, 2, 3, *range(4, len(pieces)), 1])
+        rows, _ = _specials_last(pieces, ("<pad>", "<bos>", "<eos>", "<unk>"))
         lut, proj_w, proj_b = lut[rows], proj_w[rows], proj_b[rows]
     out.update({"embed.weight": lut, "generator.weight": proj_w, "generator.bias": proj_b})
 
