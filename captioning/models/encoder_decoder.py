@@ -26,12 +26,24 @@ choices (checkpoints trained before these options existed keep their meaning):
 - ``expansion_eps`` (1e-4; released 1e-9) and ``expansion_dropout`` (``capflow`` | ``released``): see
   :mod:`captioning.models.expansion`.
 - ``init="released"``: ``xavier`` plus the released code's details: ExpansionNet's region projection and
-  expansion slots Glorot-uniform, LW-Transformer's attention biases 0, ORT's per-head geometry biases equal
-  across heads.
-- Not options (documented in README.md): LW-Transformer's released skeleton is M2-Transformer-shaped (post-LN,
-  LN on the region input, no embedding scaling, output layer without bias, no final LN), which capflow does not
-  build - its group-wise attention and FFN equal the released modules; an image with no valid region gets zero
-  attention here, uniform attention in the references (their -1e9 fill).
+  expansion slots Glorot-uniform, LW-Transformer's attention biases 0 (and, in the ``m2`` skeleton, its region
+  projection and position table Glorot-uniform), ORT's per-head geometry biases equal across heads.
+- ``grouped_merge``: the heads' merge ``W_O`` per group (one ``Linear(d/k, d/k)`` shared by the k groups), as
+  LW-Transformer's released attention (``fc_o``) has it; capflow's LW presets keep the dense ``W_O`` the paper's
+  parameter counts imply.
+- ``skeleton``: ``capflow`` (the layers above: ``norm`` pre/post, embeddings scaled by sqrt(d) with dropout,
+  sinusoid positions from 0, a final LN after each stack, an output layer with bias) or ``m2``, the
+  M2-Transformer-shaped skeleton of LW-Transformer's released code (luogen1996/LWTransformer,
+  ``models/transformer_lightweight``): post-LN (``norm="post"`` required) with every attention sublayer wrapped
+  twice, ``LN(x + Drop(LN'(x + Drop(Attn(x)))))`` (``LN'`` is the released attention module's own residual +
+  LayerNorm, ``sub<j>.inner_norm`` here); regions ``LN(Drop(ReLU(W x + b)))`` (``input_norm``); word embeddings
+  neither scaled nor dropped out, plus a position table indexed from 1 (row 0 is the released padding row) that
+  is stored with the weights (``pe``, persistent; frozen as in the released code, whose model-wide Glorot
+  initialisation overwrites its sinusoid table: ``init="released"`` does the same); no final LN; an output layer
+  without bias. ``FFN`` sublayers are ``LN(x + Drop(FFN(x)))``. The layers, masks and caches are the same code.
+- Not options (documented in README.md): an image with no valid region gets zero attention here, uniform
+  attention in the references (their -1e9 fill); the M2 code's region mask (``sum(LN(x)) == 0`` after the input
+  LayerNorm, so padded regions are in effect attended to) is not copied: padded regions are masked out.
 """
 
 from __future__ import annotations
@@ -106,6 +118,7 @@ class ArchConfig:
     attn_dropout: float | None = None  # dropout on attention weights; None = dropout
     expansion_eps: float = 1e-4
     expansion_dropout: str = "capflow"  # capflow | released
+    skeleton: str = "capflow"  # capflow | m2 (LW-Transformer's released M2-shaped skeleton; module docstring)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +133,9 @@ class ArchConfig:
 
     def replace(self, **kw: Any) -> ArchConfig:
         return replace(self, **kw)
+
+
+SKELETONS = ("capflow", "m2")
 
 
 def _share_map(share: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
@@ -212,28 +228,39 @@ def _ffn(cfg: ArchConfig) -> FeedForward:
 
 
 class _Sublayer(nn.Module):
-    """Residual + LayerNorm around a sublayer, pre-LN (x + Drop(f(LN x))) or post-LN (LN(x + Drop(f x)))."""
+    """Residual + LayerNorm around a sublayer, pre-LN (x + Drop(f(LN x))) or post-LN (LN(x + Drop(f x))).
 
-    def __init__(self, d: int, dropout: float, pre: bool, norm: str = "torch"):
+    ``inner=True`` (the M2 skeleton's attention sublayers, post-LN only): a second residual + LayerNorm inside,
+    ``LN(x + Drop(LN'(x + Drop'(f x))))`` - the released attention module's own (``inner_norm``) within the
+    layer's (``norm``)."""
+
+    def __init__(self, d: int, dropout: float, pre: bool, norm: str = "torch", inner: bool = False):
         super().__init__()
+        if pre and inner:
+            raise ValueError("the inner residual + LayerNorm belongs to the post-LN (M2) skeleton")
         self.norm = layer_norm(norm, d)
         self.drop = nn.Dropout(dropout)
         self.pre = pre
+        self.inner_norm = layer_norm(norm, d) if inner else None
+        self.inner_drop = nn.Dropout(dropout) if inner else None
 
     def forward(self, x: torch.Tensor, fn) -> torch.Tensor:
         if self.pre:
             return x + self.drop(fn(self.norm(x)))
-        return self.norm(x + self.drop(fn(x)))
+        y = fn(x)
+        if self.inner_norm is not None:
+            y = self.inner_norm(x + self.inner_drop(y))
+        return self.norm(x + self.drop(y))
 
 
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
-        pre = cfg.norm == "pre"
+        pre, m2 = cfg.norm == "pre", cfg.skeleton == "m2"
         self.kind = cfg.enc_attention
         self.mix = _mixer(cfg.enc_attention, cfg, decoder=False)
         self.ffn = _ffn(cfg)
-        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
+        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm, inner=m2)
         self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
         self.geo = GeometryBias(64, cfg.heads) if cfg.geometry else None
 
@@ -249,13 +276,13 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
-        pre = cfg.norm == "pre"
+        pre, m2 = cfg.norm == "pre", cfg.skeleton == "m2"
         self.kind = cfg.dec_attention
         self.self_mix = _mixer(cfg.dec_attention, cfg, decoder=True)
         self.cross = _mixer(cfg.cross_attention, cfg, decoder=False)
         self.ffn = _ffn(cfg)
-        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
-        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
+        self.sub1 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm, inner=m2)
+        self.sub2 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm, inner=m2)
         self.sub3 = _Sublayer(cfg.d_model, cfg.dropout, pre, cfg.layer_norm)
 
     def forward(self, x, memory: Memory, self_mask, cache: dict | None) -> torch.Tensor:
@@ -271,14 +298,16 @@ class DecoderLayer(nn.Module):
 
 
 class _Stack(nn.Module):
-    """Layers with a sharing map and the stack's output (final LN, or ExpansionNet's concatenation)."""
+    """Layers with a sharing map and the stack's output (final LN, none in the M2 skeleton, or ExpansionNet's
+    concatenation)."""
 
     def __init__(self, layer_cls, cfg: ArchConfig, n: int, share: tuple[int, ...] | None):
         super().__init__()
         self.map = _share_map(share, n)
         self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(len(set(self.map))))
         self.out_kind = cfg.stack_output
-        self.norm = layer_norm(cfg.layer_norm, cfg.d_model)
+        final_norm = cfg.skeleton != "m2" or cfg.stack_output == "concat"
+        self.norm = layer_norm(cfg.layer_norm, cfg.d_model) if final_norm else None
         if cfg.stack_output == "concat":
             self.w_r = nn.Linear(n * cfg.d_model, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
@@ -290,27 +319,37 @@ class _Stack(nn.Module):
             outs.append(x)
         if self.out_kind == "concat":
             return self.norm(x + self.drop(self.w_r(torch.cat(outs, -1))))
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
 
 # ---------------------------------------------------------------------- the model
 class Captioner(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
+        if cfg.skeleton not in SKELETONS:
+            raise ValueError(f"unknown skeleton {cfg.skeleton!r}: one of {', '.join(SKELETONS)}")
+        m2 = cfg.skeleton == "m2"
+        if m2 and cfg.norm != "post":
+            raise ValueError("the m2 skeleton is post-LN: set norm='post' with skeleton='m2'")
         self.cfg = cfg
         d = cfg.d_model
         self.input_proj = nn.Linear(cfg.d_in, d)
         self.input_drop = nn.Dropout(cfg.input_dropout)
+        self.input_norm = layer_norm(cfg.layer_norm, d) if m2 else None
         self.geometry = BoxGeometry(64) if cfg.geometry else None
         self.encoder = _Stack(EncoderLayer, cfg, cfg.enc_layers, cfg.enc_share)
         self.decoder = _Stack(DecoderLayer, cfg, cfg.dec_layers, cfg.dec_share)
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.embed_drop = nn.Dropout(cfg.dropout)
+        rows = cfg.max_len + 1 if m2 else cfg.max_len  # m2: positions 1..max_len, row 0 = the padding row
         if cfg.pos_enc == "learned":
-            self.pos = nn.Embedding(cfg.max_len, d)
-        else:
-            self.register_buffer("pe", sinusoid_table(cfg.max_len, d), persistent=False)
-        self.generator = nn.Linear(d, cfg.vocab_size)
+            self.pos = nn.Embedding(rows, d)
+        else:  # m2: a frozen table stored with the weights (the released one is not the sinusoid: init_weights)
+            table = sinusoid_table(rows, d)
+            if m2:
+                table[0] = 0.0
+            self.register_buffer("pe", table, persistent=m2)
+        self.generator = nn.Linear(d, cfg.vocab_size, bias=not m2)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -339,10 +378,12 @@ class Captioner(nn.Module):
         from captioning.models.expansion import DynamicExpansion, StaticExpansion
 
         released = self.cfg.init == "released"
+        m2 = self.cfg.skeleton == "m2"
         expansion = [m for m in self.modules() if isinstance(m, StaticExpansion | DynamicExpansion)]
         own_init = set() if released else {id(p) for m in expansion for p in (m.queries, m.biases)}
-        # ExpansionNet's released code initialises every dim > 1 parameter, its region projection included
-        skip_input = not (released and expansion)
+        # ExpansionNet's and the M2-based LW-Transformer's released code initialise every dim > 1 parameter, the
+        # region projection included
+        skip_input = not (released and (expansion or m2))
         for name, p in self.named_parameters():
             if p.dim() < 2 or (skip_input and name.startswith("input_proj.")) or id(p) in own_init:
                 continue
@@ -354,6 +395,10 @@ class Captioner(nn.Module):
         if not released:
             return
         with torch.no_grad():
+            if m2 and self.cfg.pos_enc != "learned":
+                # the M2 code's Transformer.init_weights runs xavier_uniform_ over model.parameters(), which
+                # include the frozen sinusoid table (nn.Embedding.from_pretrained): the released table is random
+                nn.init.xavier_uniform_(self.pe)
             for m in self.modules():
                 if isinstance(m, GeometryBias):  # the released heads are deep copies of one Linear(64, 1)
                     m.w.bias.copy_(m.w.bias[:1].expand_as(m.w.bias).clone())
@@ -385,6 +430,8 @@ class Captioner(nn.Module):
         if self.cfg.input_relu:
             x = F.relu(x)
         x = self.input_drop(x)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
         x = x * region_mask[..., None]
         geo = self.geometry(boxes) if self.geometry is not None else None
         states = self.encoder.run(x, lambda pos, layer, h: layer(h, region_mask, geo))
@@ -402,11 +449,18 @@ class Captioner(nn.Module):
         t = tokens.shape[1]
         if offset + t > self.cfg.max_len:
             raise ValueError(f"decoder position {offset + t} exceeds max_len {self.cfg.max_len}")
+        return self._embed_at(tokens, torch.arange(offset, offset + t, device=tokens.device))
+
+    def _embed_at(self, tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs: ``tokens`` (B, t) at the 0-based decoder positions ``idx`` (t,)."""
+        learned = self.cfg.pos_enc == "learned"
+        if self.cfg.skeleton == "m2":  # no scaling, no dropout; the table's row p+1 holds position p
+            pos = self.pos(idx + 1) if learned else self.pe.index_select(0, idx + 1)
+            return self.embed(tokens) + pos
         d = self.cfg.d_model
-        if self.cfg.pos_enc == "learned":
-            pos = self.pos(torch.arange(offset, offset + t, device=tokens.device))
-            return self.embed_drop(self.embed(tokens)) * math.sqrt(d) + pos
-        return self.embed_drop(self.embed(tokens) * math.sqrt(d) + self.pe[offset : offset + t])
+        if learned:
+            return self.embed_drop(self.embed(tokens)) * math.sqrt(d) + self.pos(idx)
+        return self.embed_drop(self.embed(tokens) * math.sqrt(d) + self.pe.index_select(0, idx))
 
     def _decode(self, memory: Memory, tokens: torch.Tensor, offset: int, caches: list | None) -> torch.Tensor:
         x = self._embed(tokens, offset)
@@ -487,11 +541,7 @@ class Captioner(nn.Module):
         captured in a CUDA graph. Keys beyond the new positions' groups are masked out."""
         t = tokens.shape[1]
         idx = cache.pos + torch.arange(t, device=tokens.device)  # positions written by this step
-        d = self.cfg.d_model
-        if self.cfg.pos_enc == "learned":
-            x = self.embed_drop(self.embed(tokens)) * math.sqrt(d) + self.pos(idx)
-        else:
-            x = self.embed_drop(self.embed(tokens) * math.sqrt(d) + self.pe.index_select(0, idx))
+        x = self._embed_at(tokens, idx)
         k = self.group_size
         j = torch.arange(cache.max_len, device=tokens.device)
         mask = (j[None, :] < (torch.div(idx, k, rounding_mode="floor") + 1)[:, None] * k)[None, None]

@@ -4,12 +4,15 @@ Paper-size presets carry the vocabulary size their paper counts with (AIC/LW/ZoD
 output class; ORT: 10,001; ACORT: radix v=768 -> 771 classes; ExpansionNet: ~10k). :func:`build` and
 :func:`for_vocab` adapt a preset to a real vocabulary and to demo sizes.
 
-Every preset also has a ``released`` flavour, ``<name>@released`` (:func:`released`): the same parameters, with
-the fidelity options of :class:`ArchConfig` set to reproduce the papers' released code's module arithmetic
-(Annotated-Transformer LayerNorm for AIC/SATIC/ZoDIAC/ORT/ACORT; ZoDIAC's FFN without ReLU and batch-level
-pooling; ExpansionNet's eps 1e-9, five dropout sites and no cross-attention dropout; the released
-initialisation details). Checkpoints imported from the released code (:mod:`captioning.models.importers`) use
-these flavours.
+Every preset also has a ``released`` flavour, ``<name>@released`` (:func:`released`): the fidelity options of
+:class:`ArchConfig` set to reproduce the papers' released code's arithmetic (Annotated-Transformer LayerNorm for
+AIC/SATIC/ZoDIAC/ORT/ACORT; ZoDIAC's FFN without ReLU and batch-level pooling; ExpansionNet's eps 1e-9, five
+dropout sites and no cross-attention dropout; LW-Transformer's M2-shaped skeleton and per-group output
+projection; the released initialisation details). Checkpoints imported from the released code
+(:mod:`captioning.models.importers`) use these flavours. The parameters are the preset's, except for
+LW-Transformer: its released attention merges the heads with one ``Linear(d/k, d/k)`` shared by the k groups
+(``fc_o`` of ``LScaledDotProductAttention``), where the paper's counts imply a dense ``W_O``, so ``lw-*@released``
+has fewer parameters than the paper reports (see ``PAPER_PARAMS``).
 """
 
 from __future__ import annotations
@@ -69,18 +72,32 @@ PAPER_PARAMS: dict[str, tuple[int | None, str]] = {
     "zodiac-sigmoid": (59_642_640, "full"),
     "zodiac-tanh": (59_642_640, "full"),
 }
-PAPER_PARAMS.update({name + RELEASED_SUFFIX: v for name, v in list(PAPER_PARAMS.items())})  # same counts
+PAPER_PARAMS.update({name + RELEASED_SUFFIX: v for name, v in list(PAPER_PARAMS.items())})  # same counts...
+# ...but LW-Transformer's released code (luogen1996/LWTransformer, ``train.py --model lwtransformer --LFFN
+# --d_k 64|128|192``) shares one merge Linear(h*d_v/k, d/k) across the k=2 groups instead of the dense W_O the
+# paper's figures count: 6 x (1 + 2) attentions x (512*512 + 512 - 256*256 - 256) = 3,543,552 fewer (the M2
+# skeleton's extra LayerNorms are outside the "stacks" convention). These are the released model's counts.
+PAPER_PARAMS.update({
+    "lw-1x" + RELEASED_SUFFIX: (20_493_312, "stacks"),
+    "lw-2x" + RELEASED_SUFFIX: (22_861_824, "stacks"),
+    "lw-3x" + RELEASED_SUFFIX: (25_230_336, "stacks"),
+})
 
 
 def released(cfg: ArchConfig) -> ArchConfig:
     """The released code's arithmetic for an architecture (any preset or combination): see the module docstring.
-    LW-Transformer's released M2-shaped skeleton is not built (its layer modules are matched exactly)."""
+
+    Group-wise attention (``groups > 1``: LW-Transformer) gets the released M2-shaped skeleton
+    (``skeleton="m2"``, post-LN; see :mod:`captioning.models.encoder_decoder`), the per-group output projection
+    (``grouped_merge``) and the released region dropout (the layers' 0.1); its LayerNorms are ``nn.LayerNorm``."""
     changes: dict = {"init": "released"}
     expansion = "expansion" in (cfg.enc_attention, cfg.dec_attention)
     if expansion:  # ExpansionNet: nn.LayerNorm already; eps, dropout sites, no attention-weight dropout
         changes.update(expansion_eps=1e-9, expansion_dropout="released", attn_dropout=0.0)
     elif cfg.groups == 1:  # the Annotated-Transformer-based references (AIC, SATIC, ZoDIAC, ORT/ACORT)
         changes.update(layer_norm="annotated")
+    else:  # LW-Transformer (luogen1996/LWTransformer, built on the M2-Transformer code)
+        changes.update(skeleton="m2", norm="post", grouped_merge=True, input_dropout=cfg.dropout)
     if "zodiac" in (cfg.enc_attention, cfg.dec_attention, cfg.cross_attention):
         changes.update(ffn_activation="none", zodiac_pool="released")
     return cfg.replace(**changes)
