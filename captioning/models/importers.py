@@ -82,9 +82,32 @@ permutation); word ``k`` (SentencePiece id ``k+4``) is the number ``k`` and ``<u
 word, as capflow's frequency rank. The released digit count is that of the number of words + 1; capflow's that of
 the largest number: they differ only when the words + 1 are an exact power of ``v`` (refused).
 
-Not supported: LW-Transformer (luogen1996/LWTransformer, an M2-shaped skeleton capflow does not build); ORT/ACORT
-checkpoints without the trigonometric box embedding (``--no_box_trigonometric_embedding``, 4-d geometry) and the
-pruning variants (``relation_transformer_prune.py``, whose masks are unknown keys).
+``lw``: luogen1996/LWTransformer's image-captioning model (``ImageCaptioning/train.py --model lwtransformer``:
+``Transformer(bos, LTransformerEncoder, LTransformerDecoderLayer)`` of ``models/transformer_lightweight``, on the
+M2-Transformer code base), into the ``m2`` skeleton (:mod:`captioning.models.encoder_decoder`)::
+
+    encoder.fc.*, encoder.layer_norm.*                  -> input_proj, input_norm   (LN(Drop(ReLU(W x + b))))
+    encoder.layers.i.mhatt.attention.fc_{q,k,v,o}.*     -> encoder.layers.i.mix.{q,k_proj,v,o}   (group-wise;
+                                                           fc_o is one Linear(d/k, d/k) per group: grouped_merge)
+    encoder.layers.i.mhatt.layer_norm.*, .lnorm.*       -> encoder.layers.i.sub1.inner_norm, sub1.norm
+    encoder.layers.i.pwff.{fc1,fc2,layer_norm}.*        -> encoder.layers.i.ffn.{w1,w2}, sub2.norm (G-FFN with
+                                                           --LFFN, else dense: read from fc2's shape)
+    decoder.layers.i.{self_att,enc_att}.attention.*     -> decoder.layers.i.{self_mix,cross}.*
+    decoder.layers.i.{self_att,enc_att}.layer_norm.*    -> decoder.layers.i.sub{1,2}.inner_norm
+    decoder.layers.i.{lnorm1,lnorm2}.*, pwff.*          -> decoder.layers.i.sub{1,2}.norm, ffn, sub3.norm
+    decoder.word_emb.weight, decoder.fc.weight          -> embed, generator (no bias; ids permuted)
+    decoder.pos_emb.weight                              -> pe (copied: the M2 init overwrites the sinusoid table)
+    decoder.running_*, decoder.layers.i.self_att.running_*   (decoding-state buffers: known, not copied)
+
+Its vocabulary is the M2 ``TextField``'s (``data/field.py``, torchtext-like): ``itos`` = ``<unk>``, ``<pad>``,
+``<bos>``, ``<eos>``, then the words by frequency, pickled as ``vocab_<exp>.pkl``. capflow does not unpickle:
+``--vocab`` is that ``itos`` as a JSON list (or ``stoi`` as a word -> id object, or ``{"itos": [...]}``); the
+specials move to capflow's places, a pure row permutation (every log-prob unchanged). The released training
+checkpoint (``saved_models/<exp>_best.pth``) also holds numpy RNG state, which ``weights_only`` refuses: save its
+``state_dict`` entry alone. Not copied: the M2 encoder's region mask (see the skeleton's docstring).
+
+Not supported: ORT/ACORT checkpoints without the trigonometric box embedding (``--no_box_trigonometric_embedding``,
+4-d geometry) and the pruning variants (``relation_transformer_prune.py``, whose masks are unknown keys).
 """
 
 from __future__ import annotations
@@ -101,8 +124,12 @@ from captioning.models.registry import preset, released
 
 ANNOTATED = ("aic", "satic", "zodiac")
 RELATION = ("ort", "acort")
-FAMILIES = (*ANNOTATED, *RELATION, "expansionnet")
+FAMILIES = (*ANNOTATED, *RELATION, "expansionnet", "lw")
 EXPANSIONNET_SPECIALS = ("PAD", "SOS", "EOS", "UNK")  # -> <pad>, <bos>, <eos>, <unk>
+LW_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # the M2 TextField's tokens, same names as capflow's
+# the M2 containers' decoding states (register_state buffers, empty outside beam search): known, not weights
+_LW_STATES = re.compile(
+    r"decoder\.(running_mask_self_attention|running_seq|layers\.\d+\.self_att\.running_(keys|values))")
 SP_SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")  # the released SentencePiece ids 0..3
 _NEVER = -1e9  # generator bias of classes the released model cannot emit
 
@@ -361,6 +388,73 @@ def convert_expansionnet(sd: dict[str, torch.Tensor], words: list[str], *, heads
     out["generator.bias"] = sd["vocab_linear.bias"][perm]
     _check_unknown(sd, used, "expansionnet")
     return cfg, out, kept
+
+
+def convert_lw(sd: dict[str, torch.Tensor], words: list[str], *, heads: int = 8
+               ) -> tuple[ArchConfig, dict[str, torch.Tensor], list[str]]:
+    """Released LW-Transformer state dict (``Transformer(bos, LTransformerEncoder, LTransformerDecoderLayer)``)
+    -> (capflow config, capflow state dict, capflow word list), in the ``m2`` skeleton (``lw-*@released``).
+
+    ``words``: the released vocabulary's ``itos`` (id order, ``<unk> <pad> <bos> <eos>`` among them). The sizes
+    come from the shapes: groups k from ``fc_q``'s input width d/k, the per-head query/key width d_k (lw 1x/2x/3x
+    = 64/128/192 at d=512) from its output h*d_k/k, the G-FFN (``--LFFN``) or dense FFN from ``fc2``, max_len
+    from the position table's rows - 1; ``heads`` is not stored."""
+    sd = dict(sd)
+    enc, dec = "encoder.layers.", "decoder.layers."
+    fc_q = f"{enc}0.mhatt.attention.fc_q.weight"
+    need = ["encoder.fc.weight", fc_q, f"{enc}0.pwff.fc2.weight", "decoder.word_emb.weight",
+            "decoder.pos_emb.weight", "decoder.fc.weight"]
+    missing = [k for k in need if k not in sd]
+    if missing:
+        raise ImportCheckpointError(f"not a released lw state dict: missing {', '.join(missing)}")
+    perm, kept = _specials_last(words, LW_SPECIALS)
+    for key in ("decoder.word_emb.weight", "decoder.fc.weight"):
+        if sd[key].shape[0] != len(words):
+            raise ImportCheckpointError(f"{key} has {sd[key].shape[0]} rows, the vocabulary {len(words)} words "
+                                        "(specials included)")
+    d, d_in = sd["encoder.fc.weight"].shape
+    q_out, q_in = sd[fc_q].shape  # Linear(d/k, h*d_k/k)
+    if d % q_in or d % heads:
+        raise ImportCheckpointError(f"{fc_q} takes {q_in} inputs: d_model {d} must be a multiple of it and of "
+                                    f"--heads {heads}")
+    groups = d // q_in
+    d_v = d // heads
+    v_out = sd.get(f"{enc}0.mhatt.attention.fc_v.weight", torch.empty(0, 0)).shape[0]
+    if heads % groups or (q_out * groups) % heads or (v_out and v_out * groups != d):
+        raise ImportCheckpointError(f"{groups} groups, {heads} heads, fc_q/fc_v outputs {q_out}/{v_out} per group: "
+                                    f"capflow's group-wise attention needs heads divisible by the groups and "
+                                    f"d_v = d_model/heads = {d_v} (give the right --heads)")
+    d_k = q_out * groups // heads
+    if d_k % d_v:
+        raise ImportCheckpointError(f"the query/key width per head {d_k} is not a multiple of d_v {d_v}")
+    d_ff = sd[f"{enc}0.pwff.fc1.weight"].shape[0] if f"{enc}0.pwff.fc1.weight" in sd else 0
+    ffn = "dense" if groups == 1 or sd[f"{enc}0.pwff.fc2.weight"].shape[0] == d else "grouped"
+    cfg = released(preset("lw-1x")).replace(
+        d_model=d, d_in=d_in, heads=heads, d_ff=d_ff, enc_layers=_count(sd, enc), dec_layers=_count(sd, dec),
+        groups=groups, qk_expand=d_k // d_v, ffn=ffn, vocab_size=len(words), bos=1, eos=2,
+        max_len=sd["decoder.pos_emb.weight"].shape[0] - 1)
+
+    keys = _Keys(sd)
+    keys.take_all(_pairs("encoder.", "", {"fc": "input_proj", "layer_norm": "input_norm"}))
+    fcs = {"fc_q": "q", "fc_k": "k_proj", "fc_v": "v", "fc_o": "o"}
+    ffn_keys = {"pwff.fc1": "ffn.w1", "pwff.fc2": "ffn.w2"}
+    for i in range(cfg.enc_layers):
+        keys.take_all(_pairs(f"{enc}{i}.", f"encoder.layers.{i}.", {
+            **{f"mhatt.attention.{a}": f"mix.{b}" for a, b in fcs.items()}, "mhatt.layer_norm": "sub1.inner_norm",
+            "lnorm": "sub1.norm", **ffn_keys, "pwff.layer_norm": "sub2.norm"}))
+    for i in range(cfg.dec_layers):
+        keys.take_all(_pairs(f"{dec}{i}.", f"decoder.layers.{i}.", {
+            **{f"self_att.attention.{a}": f"self_mix.{b}" for a, b in fcs.items()},
+            "self_att.layer_norm": "sub1.inner_norm", "lnorm1": "sub1.norm",
+            **{f"enc_att.attention.{a}": f"cross.{b}" for a, b in fcs.items()},
+            "enc_att.layer_norm": "sub2.inner_norm", "lnorm2": "sub2.norm", **ffn_keys,
+            "pwff.layer_norm": "sub3.norm"}))
+    keys.used.update(k for k in sd if _LW_STATES.fullmatch(k))
+    keys.out["embed.weight"] = keys.get("decoder.word_emb.weight")[perm]
+    keys.out["generator.weight"] = keys.get("decoder.fc.weight")[perm]
+    keys.out["pe"] = keys.get("decoder.pos_emb.weight")  # the released table as stored (see encoder_decoder)
+    _check_unknown(sd, keys.used, "lw")
+    return cfg, keys.out, kept
 
 
 def box_channel_permutation(dim: int = 64) -> torch.Tensor:
@@ -630,14 +724,22 @@ def read_words(path: str | Path) -> list[str]:
 
 
 def read_id_words(path: str | Path) -> list[str]:
-    """ExpansionNet's vocabulary in id order 0..V-1: a JSON list (``caption_idx2word_list``), a word -> id
-    object (``caption_word2idx_dict``), or an object holding either under ``caption_idx2word_list``,
-    ``idx2word_list``, ``caption_word2idx_dict`` or ``word2idx_dict``."""
+    """A vocabulary in id order 0..V-1 (ExpansionNet, LW-Transformer): a JSON list (``caption_idx2word_list``,
+    the M2 vocabulary's ``itos``), a word -> id object (``caption_word2idx_dict``, ``stoi``), or an object holding
+    either under ``caption_idx2word_list``, ``idx2word_list``, ``itos``, ``caption_word2idx_dict``,
+    ``word2idx_dict`` or ``stoi``. Pickles (the M2 code's ``vocab_<exp>.pkl``) are refused: capflow does not
+    unpickle."""
     from captioning.jsonio import read_json
 
+    if Path(path).suffix.lower() in (".pkl", ".pickle"):
+        raise ImportCheckpointError(
+            f"{path} is a pickle; capflow does not unpickle: write the vocabulary's id-ordered words as a JSON list "
+            "where the released code runs, e.g. json.dump(pickle.load(open(PKL, 'rb')).itos, open('vocab.json', "
+            "'w'))")
     obj: Any = read_json(path, "vocabulary", ImportCheckpointError, missing=ImportCheckpointError)
     if isinstance(obj, dict):
-        for key in ("caption_idx2word_list", "idx2word_list", "caption_word2idx_dict", "word2idx_dict"):
+        for key in ("caption_idx2word_list", "idx2word_list", "itos", "caption_word2idx_dict", "word2idx_dict",
+                    "stoi"):
             if key in obj:
                 obj = obj[key]
                 break
@@ -679,6 +781,8 @@ def import_checkpoint(family: str, path: str | Path, vocab_path: str | Path, *, 
     if family == "expansionnet":
         words = read_id_words(vocab_path)
         cfg, state, kept = convert_expansionnet(load_state_dict(path), words, heads=heads)
+    elif family == "lw":
+        cfg, state, kept = convert_lw(load_state_dict(path), read_id_words(vocab_path), heads=heads)
     else:
         words = read_words(vocab_path)
         cfg, state, kept = convert_annotated(load_state_dict(path), family, words, heads=heads,

@@ -95,7 +95,8 @@ def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser]
                    help="the released vocabulary: aic/satic/zodiac a JSON list of words (ids 1..V) or an "
                    "ix_to_word mapping (cocotalk.json); expansionnet its caption_idx2word_list (JSON list, ids "
                    "0..V-1) or caption_word2idx_dict; ort/acort the SentencePiece tokenizer/word.vocab (or a JSON "
-                   "list of its pieces); ort/acort also read the run's config.json beside CKPT when there "
+                   "list of its pieces); lw the M2 vocabulary's itos as a JSON list (ids 0..V-1; its vocab_<exp>.pkl "
+                   "is a pickle, not read); ort/acort also read the run's config.json beside CKPT when there "
                    "(share_att_encoder/decoder, num_heads, radix_base)")
     p.add_argument("--out", required=True, metavar="MODEL_DIR", help="the model folder to write")
     p.add_argument("--heads", type=int, default=8, help="attention heads (not stored in the weights; default 8)")

@@ -121,3 +121,31 @@ def test_cli_main_reports_cli_errors_with_exit_status_2(tmp_path, monkeypatch, c
                    "--out", str(tmp_path / "m")])
     assert rc == 2
     assert "capflow import-checkpoint: error: --vocab" in capsys.readouterr().err
+
+
+def test_import_lw_writes_a_model_folder_giving_the_released_log_probs(tmp_path, capsys):
+    from tests.models import test_import_lw as lw
+
+    sd = lw.released_state_dict(2, True)
+    torch.save(sd, tmp_path / "lw_state_dict.pth")
+    (tmp_path / "vocab.json").write_text(json.dumps(lw.ITOS))  # the released vocabulary's itos
+    out = tmp_path / "imported"
+    assert _run(["import-checkpoint", "--from", "lw", str(tmp_path / "lw_state_dict.pth"), "--vocab",
+                 str(tmp_path / "vocab.json"), "--out", str(out), "--heads", str(lw.H), "--set",
+                 f"features.feature_dim={lw.D_IN}", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["family"] == "lw" and summary["words"] == len(lw.ITOS) - 4
+    files = model_files(out)
+    v = Vocabulary.load(files.vocab)
+    st = checkpoint.load(files.model)
+    arch = ArchConfig.from_dict(st["arch"])
+    assert arch.skeleton == "m2" and arch.vocab_size == len(v) and st["vocab_digest"] == v.digest()
+    model = build(arch)
+    model.load_state_dict(st["state_dict"])  # the released position table travels as the "pe" buffer
+    model.eval()
+    feats, boxes, mask = lw._inputs()
+    seq = torch.tensor([[2, 4, 5, 6, 7], [2, 9, 8, 3, 5], [2, 0, 7, 6, 4]])
+    with torch.no_grad():
+        ref = lw.released_logprobs(sd, feats, seq)
+        got = model(feats, boxes, mask, lw.TO_CAPFLOW[seq])
+    torch.testing.assert_close(got, ref[..., lw.PERM], atol=1e-5, rtol=0)
