@@ -176,6 +176,9 @@ class LoaderConfig(Section):
     captions_per_image: int = Field(5, ge=1, description="Captions drawn per image in a batch")
     shuffle_buffer: int = Field(256, ge=1, description="Images held in the shuffle buffer")
     workers: int = Field(0, ge=0, description="DataLoader worker processes (0 = in the main process)")
+    standardize_features: bool = Field(
+        True, description="Standardise region features per dimension with the training split's statistics, stored "
+        "in every trained model (the teacher's and students' ArchConfig.standardize_features)")
 
 
 class ModelConfig(Section):
@@ -201,6 +204,8 @@ class SCSTConfig(Section):
     lr: float = Field(5e-5, gt=0, description="Constant SCST learning rate")
     samples: int = Field(5, ge=2, description="Sampled captions per image")
     baseline: Literal["mean", "greedy"] = Field("mean", description="Reward baseline: mean of others or greedy")
+    batch_size: int | None = Field(None, ge=1, description="Images per SCST batch (each sampled `samples` times); "
+                                   "unset = loader.batch_size")
 
 
 class TeacherConfig(Section):

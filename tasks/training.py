@@ -139,7 +139,8 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
              teacher: TeacherRef, kd: SeqKDRef, scst: bool) -> StudentResult:
     cfg = rc.cfg
     ctx = _context(rc, data, feats, labels)
-    arch = student_arch(name, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+    arch = student_arch(name, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
+                        standardize=cfg.loader.standardize_features)
     pname = preset_name(name)
     stage = f"student-{name}"
     key, hit = rc.cached(stage, StudentResult, **student_key(rc, name, arch.to_dict(), feats, labels, kd, teacher,

@@ -124,13 +124,14 @@ def run_seed(cfg, wd: Path, progress: bool = False) -> dict[str, Any]:
         return out, res.best_checkpoint, model
 
     models: dict[str, Any] = {}
-    teacher = teacher_arch(cfg.teacher.model, lab.vocab, d_in, words)
+    teacher = teacher_arch(cfg.teacher.model, lab.vocab, d_in, words, standardize=cfg.loader.standardize_features)
     models["aic"], teacher_ckpt, teacher_model = train_eval("aic", teacher, name=cfg.teacher.model.arch,
                                                             xe_cfg=cfg.teacher.xe)
     kd = seqkd(ctx, teacher_model, SEQKD)
     ablation: dict[str, Any] = {}
     for family in cfg.students.names:
-        arch = student_arch(family, cfg.students.size, lab.vocab, d_in, words)
+        arch = student_arch(family, cfg.students.size, lab.vocab, d_in, words,
+                            standardize=cfg.loader.standardize_features)
         if family != "satic":
             models[family] = train_eval(family, arch, name=family, xe_cfg=cfg.students.xe)[0]
             continue

@@ -77,6 +77,30 @@ class FeatureSource:
         raise NotImplementedError
 
 
+def region_stats(source: FeatureSource, rows: np.ndarray, *, max_images: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Per-dimension mean and standard deviation of the real regions of ``rows`` (float64), for feature
+    standardisation. More than ``max_images`` rows: an evenly spaced subset of that many (deterministic)."""
+    rows = np.unique(np.asarray(rows, dtype=np.int64))
+    if not len(rows):
+        raise ValueError("no rows to compute region-feature statistics from")
+    if len(rows) > max_images:
+        rows = rows[np.linspace(0, len(rows) - 1, max_images).round().astype(np.int64)]
+    total = sq = None
+    n = 0
+    for block in source.blocks(rows):
+        feats = [f for f in source.read(block).features if len(f)]
+        if not feats:
+            continue
+        x = np.concatenate(feats).astype(np.float64)
+        total = x.sum(0) if total is None else total + x.sum(0)
+        sq = (x * x).sum(0) if sq is None else sq + (x * x).sum(0)
+        n += len(x)
+    if n == 0:
+        raise ValueError("the rows have no regions to compute feature statistics from")
+    mean = total / n
+    return mean, np.sqrt(np.maximum(sq / n - mean * mean, 0.0))
+
+
 class ZarrFeatures(FeatureSource):
     """Reads blocks of ``block_chunks`` consecutive row chunks with one call per array (Zarr fetches and decodes
     the chunks of one call concurrently), only up to the block's largest box count, and copies each image's

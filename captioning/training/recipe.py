@@ -56,27 +56,31 @@ def max_tokens(cfg: ArchConfig | Captioner, max_words: int, codec: RadixCodec | 
     return max_words * per_word + 1
 
 
-def _adapt(arch: ArchConfig, vocab: Vocabulary, d_in: int, max_words: int, dropout: float | None) -> ArchConfig:
+def _adapt(arch: ArchConfig, vocab: Vocabulary, d_in: int, max_words: int, dropout: float | None,
+           standardize: bool) -> ArchConfig:
     codec = vocab.radix()
     k = arch.group_size
     per_word = codec.digits if arch.codec == "radix" else 1
     positions = -(-(max_words * per_word + 1 + k) // k) * k  # inputs: K starts + the caption, whole groups
     out = for_vocab(arch, word_vocab_size=len(vocab), bos=BOS, eos=EOS, radix_size=codec.size, radix_bos=codec.bos,
                     radix_eos=codec.eos, max_len=max(positions, arch.max_len if arch.pos_enc == "learned" else 0))
-    changes = {"d_in": d_in}
+    changes = {"d_in": d_in, "standardize_features": standardize}
     if dropout is not None:
         changes["dropout"] = dropout
     return out.replace(**changes)
 
 
-def teacher_arch(model: ModelConfig, vocab: Vocabulary, d_in: int, max_words: int) -> ArchConfig:
-    """The AIC teacher (or any preset named by ``teacher.model.arch``) at the configured size."""
+def teacher_arch(model: ModelConfig, vocab: Vocabulary, d_in: int, max_words: int, *,
+                 standardize: bool = False) -> ArchConfig:
+    """The AIC teacher (or any preset named by ``teacher.model.arch``) at the configured size; ``standardize``:
+    ``loader.standardize_features``."""
     base = preset(preset_name(model.arch))
     sized = scaled(base, d_model=model.d_model, layers=model.layers, heads=model.heads, d_ff=model.d_ff)
-    return _adapt(sized, vocab, d_in, max_words, model.dropout)
+    return _adapt(sized, vocab, d_in, max_words, model.dropout, standardize)
 
 
-def student_arch(name: str, size: str, vocab: Vocabulary, d_in: int, max_words: int) -> ArchConfig:
+def student_arch(name: str, size: str, vocab: Vocabulary, d_in: int, max_words: int, *,
+                 standardize: bool = False) -> ArchConfig:
     """A student family/preset at ``size`` ("base" = as published, else :data:`SIZES`)."""
     base = preset(preset_name(name))
     if size == "base":
@@ -86,7 +90,7 @@ def student_arch(name: str, size: str, vocab: Vocabulary, d_in: int, max_words: 
         sized = scaled(base, d_model=d, layers=n, heads=h, d_ff=f)
     else:
         raise ValueError(f"unknown size {size!r}: base or one of {', '.join(SIZES)}")
-    return _adapt(sized, vocab, d_in, max_words, None)
+    return _adapt(sized, vocab, d_in, max_words, None, standardize)
 
 
 def codec_for(arch: ArchConfig | Captioner, vocab: Vocabulary) -> RadixCodec | None:
@@ -104,8 +108,8 @@ def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None)
 
 def scst_settings(scst: SCSTConfig, cfg: PipelineConfig) -> TrainSettings:
     lo = cfg.loader
-    return TrainSettings(epochs=scst.epochs, batch_size=lo.batch_size, schedule="constant", lr=scst.lr,
-                         clip=None, workers=lo.workers, seed=cfg.run.seed + 1, precision=cfg.run.precision)
+    return TrainSettings(epochs=scst.epochs, batch_size=scst.batch_size or lo.batch_size, schedule="constant",
+                         lr=scst.lr, clip=None, workers=lo.workers, seed=cfg.run.seed + 1, precision=cfg.run.precision)
 
 
 def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 
 from captioning.config import PipelineConfig
 from captioning.data.karpathy import Dataset
-from captioning.data.loader import FeatureSource, ZarrFeatures
+from captioning.data.loader import FeatureSource, ZarrFeatures, region_stats
 from captioning.data.stores import Labels, LabelStore
 from captioning.data.text import Vocabulary
 from captioning.metrics.evaluation import evaluate_model, greedy_cider_validator
@@ -115,11 +115,15 @@ def fit_xe(ctx: StageContext, arch: ArchConfig, ckpt_dir: str | Path, *, setting
     """XE training of ``arch`` (teacher or student) on ground truth / SeqKD / both; resumes from ckpt_dir.
 
     ``init_from``: a checkpoint whose matching tensors initialise the model (SATIC weight-init from the teacher).
+    A model that standardises its features (``arch.standardize_features``) gets the training split's region
+    statistics first (the teacher's, under ``init_from``, are the same).
     Returns the best-validation model, the train result and an info dict (init report, sources)."""
     s = settings or xe_settings(ctx.cfg.students.xe, ctx.cfg)
     torch.manual_seed(s.seed)
     model = Captioner(arch)
     info: dict[str, Any] = {"captions": captions, "seqkd_source": seqkd_source}
+    if arch.standardize_features and not (Path(ckpt_dir) / "last.pt").exists():
+        model.set_feature_stats(*map(torch.from_numpy, region_stats(ctx.source, ctx.rows("train"))))
     if init_from is not None and not (Path(ckpt_dir) / "last.pt").exists():
         st = checkpoint.load(init_from)
         rep = checkpoint.init_from(model, st["state_dict"])
@@ -228,9 +232,11 @@ def _fit(ctx: StageContext, spec: TrainSpec, on_epoch: EpochFn | None) -> tuple[
     from captioning.training.recipe import student_arch, teacher_arch
 
     if spec.is_teacher:
-        arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+        arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
+                            standardize=cfg.loader.standardize_features)
     else:
-        arch = student_arch(spec.model, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+        arch = student_arch(spec.model, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
+                            standardize=cfg.loader.standardize_features)
     xe = cfg.teacher.xe if spec.is_teacher else cfg.students.xe
     _, res, info = fit_xe(ctx, arch, spec.out, settings=xe_settings(xe, cfg), captions=spec.captions,
                           seqkd_source=spec.seqkd_source, init_from=spec.init_from, on_epoch=on_epoch)
