@@ -336,3 +336,13 @@ def test_section_digest() -> None:
 def test_numbers_for_text_settings_are_text() -> None:
     cfg = load_config(overrides=["run.name=2024", "tracking.model_name=7"])
     assert cfg.run.name == "2024" and cfg.tracking.model_name == "7"
+
+
+def test_scst_batch_size_defaults_to_the_loaders_and_can_be_its_own():
+    from captioning.training.recipe import scst_settings, xe_settings
+
+    cfg = load_config("demo", overrides=["loader.batch_size=16"])
+    assert scst_settings(cfg.students.scst.model_copy(update={"batch_size": None}), cfg).batch_size == 16
+    cfg = load_config("demo", overrides=["loader.batch_size=16", "students.scst.batch_size=40"])
+    assert scst_settings(cfg.students.scst, cfg).batch_size == 40
+    assert xe_settings(cfg.students.xe, cfg).batch_size == 16

@@ -29,6 +29,7 @@ keeps the first caption of each image instead and warns). Result ids that have n
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 import zipfile
@@ -492,10 +494,8 @@ def score(results: Mapping[int, str], references: Mapping[int, Sequence[str]], *
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capflow-meteor")
     try:
         if "METEOR" in want:
-            from pycocoevalcap.meteor.meteor import Meteor
-
             t0 = time.perf_counter()
-            meteor = Meteor()  # the JVM loads its paraphrase tables while we tokenise
+            meteor = meteor_scorer()  # a new JVM loads its paraphrase tables while we tokenise
             timings["meteor_spawn"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -521,6 +521,7 @@ def score(results: Mapping[int, str], references: Mapping[int, Sequence[str]], *
             except (ValueError, BrokenPipeError, OSError) as e:  # the JVM died: say why
                 p = meteor.meteor_p
                 err = p.stderr.read().decode(errors="replace")[-2000:] if p.poll() is not None and p.stderr else ""
+                _discard_meteor(meteor)  # the next score starts a fresh one
                 raise RuntimeError(f"METEOR failed: {e}; {err}") from e
             timings["METEOR"] = time.perf_counter() - t
             return s, scores
@@ -574,8 +575,6 @@ def score(results: Mapping[int, str], references: Mapping[int, Sequence[str]], *
             per["METEOR"] = dict(zip(ids, (float(x) for x in scores)))
     finally:
         pool.shutdown(wait=True)
-        if meteor is not None:
-            _close_meteor(meteor)
 
     ordered = {m: out_metrics.get(m) for m in METRICS if m in want}
     out: dict[str, Any] = {
@@ -593,6 +592,50 @@ def score(results: Mapping[int, str], references: Mapping[int, Sequence[str]], *
         out["per_image"] = {m: per[m] for m in METRICS if m in per}
     log.debug("coco metrics timings (s): %s", {k: round(v, 2) for k, v in timings.items()})
     return out
+
+
+#: this process's METEOR JVM: (pid, pycocoevalcap Meteor); see :func:`meteor_scorer`
+_METEOR: dict[str, Any] = {"pid": None, "scorer": None}
+_METEOR_LOCK = threading.Lock()
+
+
+def meteor_scorer():
+    """pycocoevalcap's ``Meteor`` for this process, started on first use and then kept: its JVM loads METEOR's
+    paraphrase tables for several seconds (~8 s on a 2-core CPU), once per process instead of once per evaluation
+    (a pipeline scores every student). A JVM that has exited is replaced; a forked child starts its own (it never
+    writes to its parent's pipes). :func:`close_meteor` stops it; it is also stopped when the interpreter exits."""
+    from pycocoevalcap.meteor.meteor import Meteor
+
+    with _METEOR_LOCK:
+        m = _METEOR["scorer"]
+        if _METEOR["pid"] != os.getpid():
+            m = None  # inherited through fork: the parent's
+        elif m is not None and m.meteor_p.poll() is not None:
+            _close_meteor(m)
+            m = None
+        if m is None:
+            m = Meteor()
+            _METEOR.update(pid=os.getpid(), scorer=m)
+        return m
+
+
+def _discard_meteor(meteor) -> None:
+    with _METEOR_LOCK:
+        if _METEOR["scorer"] is meteor and _METEOR["pid"] == os.getpid():
+            _METEOR.update(pid=None, scorer=None)
+    _close_meteor(meteor)
+
+
+def close_meteor() -> None:
+    """Stop this process's METEOR JVM, if one runs (the next score starts another)."""
+    with _METEOR_LOCK:
+        m = _METEOR["scorer"] if _METEOR["pid"] == os.getpid() else None
+        _METEOR.update(pid=None, scorer=None)
+    if m is not None:
+        _close_meteor(m)
+
+
+atexit.register(close_meteor)
 
 
 def _close_meteor(meteor) -> None:

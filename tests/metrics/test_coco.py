@@ -355,3 +355,23 @@ def test_caption_stats_exact():
     }
     with pytest.raises(ValueError):
         caption_stats({}, train)
+
+
+# ------------------------------------------------------------------------------------------ the METEOR JVM
+def test_one_meteor_jvm_serves_every_score_of_a_process_and_a_dead_one_is_replaced():
+    refs = {1: ["a red circle on the left", "a small red circle"], 2: ["two blue squares", "blue squares side by side"],
+            3: ["a green triangle at the top", "a triangle that is green"]}
+    res = {1: "a red circle", 2: "two blue squares", 3: "a green shape at the top"}
+    coco.close_meteor()
+    first = score(res, refs, metrics=["METEOR"])["metrics"]["METEOR"]
+    jvm = coco.meteor_scorer()
+    assert jvm.meteor_p.poll() is None
+    again = score(res, refs, metrics=["METEOR"])["metrics"]["METEOR"]
+    assert coco.meteor_scorer() is jvm and again == first  # reused, and a reused JVM scores the same
+    jvm.meteor_p.kill()  # a JVM that died between evaluations (a real fault: the process is gone)
+    jvm.meteor_p.wait()
+    replaced = score(res, refs, metrics=["METEOR"])["metrics"]["METEOR"]
+    assert coco.meteor_scorer() is not jvm and replaced == first
+    assert 0 < first < 1
+    coco.close_meteor()
+    assert coco._METEOR["scorer"] is None
