@@ -21,6 +21,8 @@ from typing import Any
 # Prefect's temporary server gets 20 s to start by default, too little on a loaded machine (2 of 16 starts failed
 # on a busy 2-core box); read when prefect is first imported, so set before it (flows.cli sets it earlier still).
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+# and it sends no telemetry (offline, the attempt logged an ERROR in every run); an explicit setting wins
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from prefect import flow
 from prefect.runtime import flow_run

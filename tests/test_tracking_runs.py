@@ -263,6 +263,18 @@ def test_prefect_temporary_server_gets_90_s_to_start_unless_set(tmp_path):
         assert out.stdout.split()[-1:] == [want], out.stderr[-2000:]
 
 
+def test_prefect_temporary_server_sends_no_telemetry_unless_asked(tmp_path):
+    code = ("import flows.cli, flows.pipeline; from prefect.settings import "
+            "PREFECT_SERVER_ANALYTICS_ENABLED as s; print(s.value())")
+    for extra, want in (({}, "False"), ({"PREFECT_SERVER_ANALYTICS_ENABLED": "true"}, "True")):
+        env = _prefect_env(tmp_path, **extra)
+        if not extra:
+            env.pop("PREFECT_SERVER_ANALYTICS_ENABLED", None)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                             cwd=ROOT)
+        assert out.stdout.split()[-1:] == [want], out.stderr[-2000:]
+
+
 def test_prefect_server_that_does_not_start_in_time_names_the_cause_and_the_way_out(tmp_path):
     # a start-up timeout far below what the server needs stands in for a machine too loaded to start it in time
     env = _prefect_env(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
