@@ -95,7 +95,7 @@ def what_changed(summary: dict[str, Any]) -> str:
     ch = summary["champion"]
     lines.append(f"- champion: {'changed to ' + str(ch['student']) if ch['changed'] else 'unchanged'}"
                  f" (version {ch['version']}; {ch['reason']})")
-    lines += ["", markdown(summary["leaderboard"], summary["failed"]),
+    lines += ["", markdown(summary["leaderboard"], summary["failed"], summary.get("baseline")),
               f"MLflow run `{summary['mlflow_run_id']}` in {summary['tracking_uri']}"]
     return "\n".join(lines)
 
@@ -131,7 +131,7 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
                 futures = [student_task.submit(rc, n, data, feats, labels, teacher, kd, scst)
                            for n in names[i: i + wave]]
                 results += [f.result() for f in futures]
-        board = leaderboard_task(rc, results)
+        board = leaderboard_task(rc, results, data)
         promo = promote_task(rc, board, data.digest)
         tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
     return {
@@ -142,6 +142,7 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
                                            "distinct_captions", "repeated_token_rate", "model_version")}
                         for r in board["leaderboard"]],
         "failed": board["failed"],
+        "baseline": board["baseline"],
         "champion": {"version": promo.champion_version, "changed": promo.changed, "reason": promo.reason,
                      "student": promo.candidate if promo.changed else None},
         "stages": rc.stages,

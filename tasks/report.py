@@ -9,9 +9,11 @@ from typing import Any
 
 from prefect import task
 
+from captioning.data.karpathy import Dataset
+from captioning.metrics.evaluation import most_frequent_caption
 from tasks.common import RunContext, log
 from tasks.data import RETRY
-from tasks.refs import Promotion, StudentFailure, StudentResult
+from tasks.refs import DatasetRef, Promotion, StudentFailure, StudentResult
 
 COLUMNS = ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
 
@@ -35,8 +37,10 @@ def leaderboard_rows(ranked: list[StudentResult]) -> list[dict[str, Any]]:
              "model_version": r.model_version} for r in ranked]
 
 
-def markdown(rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> str:
-    """The one leaderboard table (MLflow ``leaderboard.md``, the Prefect run summary, ``capflow run``)."""
+def markdown(rows: list[dict[str, Any]], failed: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+             ) -> str:
+    """The one leaderboard table (MLflow ``leaderboard.md``, the Prefect run summary, ``capflow run``); with a
+    ``baseline`` (:func:`baseline_of`) a last row for it and the best student's CIDEr as a multiple of it."""
     head = ("| rank | student | preset | " + " | ".join(COLUMNS)
             + " | params | latency ms | distinct captions | repeated words |")
     lines = [head, "|" + "---|" * (len(COLUMNS) + 7)]
@@ -47,7 +51,23 @@ def markdown(rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> str:
                      f"| {_fmt(r.get('repeated_token_rate'))} |")
     for f in failed:
         lines.append(f"| - | {f['student']} | FAILED: {f['error'][:80]} |")
+    if baseline is not None:
+        m = baseline["metrics"]
+        lines.append("| - | baseline | most frequent training caption | "
+                     + " | ".join("-" if c not in m else _fmt(m[c]) for c in COLUMNS) + " | - | - | 1 | - |")
+        best, base = (rows[0]["metrics"].get("CIDEr") if rows else None), m.get("CIDEr")
+        ratio = f"{best / base:.1f}x" if best is not None and base else "n/a"
+        lines += ["", f"Baseline caption: \"{baseline['caption']}\"; best student's test CIDEr = {ratio} the "
+                  "baseline's."]
     return "\n".join(lines) + "\n"
+
+
+def baseline_of(data: DatasetRef) -> dict[str, Any]:
+    """The most-frequent-training-caption baseline on the dataset's test split: {caption, metrics}."""
+    ds = Dataset.load(data.path)
+    refs = {e.image_id: list(e.captions) for e in ds.split("test")}
+    caption, scored = most_frequent_caption((c for e in ds.split("train") for c in e.captions), refs)
+    return {"caption": caption, "metrics": scored["metrics"]}
 
 
 def decide_promotion(best: dict[str, Any] | None, current_version: str | None, current_tags: dict[str, str],
@@ -93,26 +113,32 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def leaderboard(rc: RunContext, results: list[StudentResult | StudentFailure]) -> dict[str, Any]:
-    """Rank the students; table, plot and JSON into the parent run."""
+def leaderboard(rc: RunContext, results: list[StudentResult | StudentFailure], data: DatasetRef | None = None
+                ) -> dict[str, Any]:
+    """Rank the students; table, plot and JSON into the parent run; with ``data``, the most-frequent-caption
+    baseline on its test split beside them (``baseline``; parent-run metric ``baseline_test_CIDEr``)."""
     ranked, failures = rank(results)
     rows = leaderboard_rows(ranked)
     failed = [{"student": f.student, "error": f.error} for f in failures]
+    baseline = baseline_of(data) if data is not None and data.splits.get("test") else None
+    if baseline is not None:
+        rc.tracker.metrics(rc.parent_run, {"baseline_test_CIDEr": baseline["metrics"].get("CIDEr") or 0.0})
     with tempfile.TemporaryDirectory() as tmp:
         md = Path(tmp) / "leaderboard.md"
-        md.write_text(markdown(rows, failed), encoding="utf-8")
+        md.write_text(markdown(rows, failed, baseline), encoding="utf-8")
         rc.tracker.artifact(rc.parent_run, md)
         if rows:
             png = Path(tmp) / "leaderboard.png"
             plot(rows, png)
             rc.tracker.artifact(rc.parent_run, png)
-    rc.tracker.json_artifact(rc.parent_run, "leaderboard.json", {"leaderboard": rows, "failed": failed})
+    rc.tracker.json_artifact(rc.parent_run, "leaderboard.json", {"leaderboard": rows, "failed": failed,
+                                                                 "baseline": baseline})
     for i, r in enumerate(rows):
         rc.tracker.metrics(rc.parent_run, {f"{r['student']}_test_CIDEr": r["metrics"].get("CIDEr") or 0.0})
         if i == 0:
             rc.tracker.tags(rc.parent_run, {"best_student": r["student"]})
     rc.tracker.metrics(rc.parent_run, {"students_failed": len(failed), "students_ok": len(rows)})
-    return {"leaderboard": rows, "failed": failed}
+    return {"leaderboard": rows, "failed": failed, "baseline": baseline}
 
 
 def promote(rc: RunContext, board: dict[str, Any], test_set: str) -> Promotion:

@@ -63,6 +63,16 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
     assert all(r["params"] > 0 and r["latency_ms"] > 0 and r["metrics"]["SPICE"] is None for r in res["leaderboard"])
     assert res["champion"]["changed"] and res["champion"]["version"] == res["leaderboard"][0]["model_version"]
     assert all(v == "ran" for v in res["stages"].values())
+    # the most-frequent-caption baseline on the same test split, beside the students
+    base = res["baseline"]
+    from collections import Counter
+
+    from captioning.data.karpathy import Dataset
+
+    ds = Dataset.load(next((tmp_path / "datasets").glob("dataset-*.json")))
+    counts = Counter(c for e in ds.split("train") for c in e.captions)
+    assert counts[base["caption"]] == max(counts.values())
+    assert 0 <= base["metrics"]["CIDEr"] < 10 and "METEOR" not in base["metrics"]
 
     c = MlflowClient(res["tracking_uri"])
     parent = c.get_run(res["mlflow_run_id"])
@@ -73,6 +83,7 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
     arts = {a.path for a in c.list_artifacts(parent.info.run_id)}
     assert {"leaderboard.json", "leaderboard.md", "leaderboard.png", "rejects.json", "config.yaml",
             "promotion.json"} <= arts
+    assert parent.data.metrics["baseline_test_CIDEr"] == pytest.approx(base["metrics"]["CIDEr"])
     rejects = json.loads(Path(c.download_artifacts(parent.info.run_id, "rejects.json", str(tmp_path / "dl"))
                               ).read_text())
     assert {r["image_id"] for r in rejects["rejected"]} == set(bad_ids) and len(rejects["dropped_captions"]) == 1

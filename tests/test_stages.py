@@ -94,6 +94,30 @@ def test_leaderboard_ranks_by_cider_then_size_then_name_and_lists_failures():
     assert lines[4].startswith("| 3 | a |") and lines[4].endswith("| 7 | 0.250 |")  # distinct captions, repeats
 
 
+def test_leaderboard_shows_the_baseline_row_and_the_best_students_multiple_of_it():
+    rows = leaderboard_rows([_student("c", 0.6), _student("b", 0.3)])
+    base = {"caption": "a red circle", "metrics": {"Bleu_1": 0.4, "Bleu_4": 0.1, "ROUGE_L": 0.3, "CIDEr": 0.2}}
+    lines = markdown(rows, [], base).splitlines()
+    assert lines[4] == ("| - | baseline | most frequent training caption | 0.400 | 0.100 | - | 0.300 | 0.200 | - "
+                        "| - | - | 1 | - |")
+    assert lines[-1] == 'Baseline caption: "a red circle"; best student\'s test CIDEr = 3.0x the baseline\'s.'
+    assert markdown(rows, []).splitlines()[-1].startswith("| 2 | b |")  # no baseline, no row
+
+
+def test_most_frequent_caption_baseline_is_the_commonest_training_caption_scored_on_every_test_image():
+    from captioning.metrics.evaluation import most_frequent_caption
+
+    train = ["a red circle", "a blue square", "a red circle", "a blue square", "two shapes"]
+    refs = {1: ["a red circle", "a red ring"], 2: ["a blue square"]}
+    caption, scored = most_frequent_caption(train, refs)
+    assert caption == "a blue square"  # a tie goes to the first in sort order
+    assert scored["images"] == 2 and set(scored["metrics"]) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "ROUGE_L",
+                                                               "CIDEr"}
+    assert scored["metrics"]["Bleu_1"] == pytest.approx(4 / 6, abs=1e-6)  # 'a' twice, 'blue square' once
+    with pytest.raises(ValueError, match="no training captions"):
+        most_frequent_caption([], refs)
+
+
 def test_promotion_decision():
     best = leaderboard_rows([_student("lw", 0.5, version="7")])[0]
     first = decide_promotion(best, None, {}, "t")

@@ -43,7 +43,8 @@ from captioning.config import load_config
 from captioning.data.loader import ZarrFeatures
 from captioning.data.prepare import ingest, vocab_and_labels
 from captioning.data.synthetic_features import informative_store_for
-from captioning.metrics.coco import score
+from captioning.metrics import evaluation
+from captioning.metrics.coco import METRICS
 from captioning.metrics.diversity import repetition_stats
 from captioning.training.recipe import student_arch, teacher_arch, xe_settings
 from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, seqkd
@@ -57,11 +58,8 @@ _ROW_SD = ("CIDEr", "Bleu_4", "METEOR", *_DIVERSITY)  # row numbers that get a `
 
 
 def most_frequent_caption(ctx: StageContext, split: str = "test") -> tuple[str, dict[str, Any]]:
-    """The baseline: the most frequent training caption, predicted for every image of ``split``."""
-    counts = Counter(ctx.train_captions())
-    caption = min(counts, key=lambda c: (-counts[c], c))
-    refs = ctx.text_references(split)
-    return caption, score({k: caption for k in refs}, refs)
+    """The baseline: the most frequent training caption, predicted for every image of ``split`` (all metrics)."""
+    return evaluation.most_frequent_caption(ctx.train_captions(), ctx.text_references(split), metrics=METRICS)
 
 
 def _summary(ev: dict[str, Any]) -> dict[str, Any]:

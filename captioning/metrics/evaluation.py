@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -26,6 +27,20 @@ from captioning.metrics.coco import score
 from captioning.metrics.diversity import caption_stats, repetition_stats
 from captioning.models.params import count
 from captioning.precision import autocast
+
+#: the baseline's metrics: the fast ones (METEOR's JVM would cost a cached pipeline re-run seconds for one row)
+BASELINE_METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "ROUGE_L", "CIDEr")
+
+
+def most_frequent_caption(train_captions: Iterable[str], references: Mapping[int, Sequence[str]], *,
+                          metrics: Sequence[str] = BASELINE_METRICS) -> tuple[str, dict]:
+    """The baseline every captioner must beat: the most frequent training caption (ties: the first in sort
+    order), predicted for every image of ``references`` and scored with :func:`score` -> (caption, its score)."""
+    counts = Counter(train_captions)
+    if not counts:
+        raise ValueError("no training captions to take the most frequent one from")
+    caption = min(counts, key=lambda c: (-counts[c], c))
+    return caption, score({k: caption for k in references}, references, metrics=metrics)
 
 
 def _constraint(decoding_constraint: bool, codec: RadixCodec | None) -> dict:

@@ -35,7 +35,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tasks.report import markdown
 
     print()
-    print(markdown(res["leaderboard"], res["failed"]))
+    print(markdown(res["leaderboard"], res["failed"], res.get("baseline")))
     ch = res["champion"]
     print(f"champion: {cfg.tracking.model_name} v{ch['version']} ({ch['reason']})")
     cached = [k for k, v in res["stages"].items() if v == "cached"]
