@@ -206,6 +206,10 @@ class SCSTConfig(Section):
     baseline: Literal["mean", "greedy"] = Field("mean", description="Reward baseline: mean of others or greedy")
     batch_size: int | None = Field(None, ge=1, description="Images per SCST batch (each sampled `samples` times); "
                                    "unset = loader.batch_size")
+    dropout: float | None = Field(
+        0.0, ge=0, lt=1, description="Dropout at every site of the model while SCST samples and re-scores; 0 = the "
+        "policy SCST improves is the one greedy/beam decoding evaluates (chosen on validation: README, 'SCST "
+        "recipe'); unset = the model's own XE dropout, as the released SCST code keeps it")
 
 
 class TeacherConfig(Section):

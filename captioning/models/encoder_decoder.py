@@ -144,6 +144,16 @@ class ArchConfig:
     def replace(self, **kw: Any) -> ArchConfig:
         return replace(self, **kw)
 
+    def with_dropout(self, p: float) -> ArchConfig:
+        """The same model with each of its dropout sites at rate ``p`` (layers, regions, attention weights, ZoDIAC's
+        refinement); a site the model has switched off (rate 0) stays off, and the weights are unaffected (SCST's
+        ``students.scst.dropout``)."""
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {p}")
+        attn = None if self.attn_dropout is None else (self.attn_dropout and p)
+        return replace(self, dropout=self.dropout and p, input_dropout=self.input_dropout and p, attn_dropout=attn,
+                       zodiac_dropout=self.zodiac_dropout and p)
+
 
 SKELETONS = ("capflow", "m2")
 

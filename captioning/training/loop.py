@@ -401,11 +401,14 @@ def _validate_start(model: Captioner, validate: Callable[[Captioner], dict[str, 
     return float(metrics[s.select_metric])
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Captioner, dict[str, Any]]:
-    """A Captioner from a checkpoint (weights_only loading)."""
+def load_model(path: str | Path, device: str | torch.device = "cpu", *,
+               dropout: float | None = None) -> tuple[Captioner, dict[str, Any]]:
+    """A Captioner from a checkpoint (weights_only loading); ``dropout``: rebuilt with every dropout site at that
+    rate (:meth:`ArchConfig.with_dropout`), the rate its checkpoints then record."""
     from captioning.models.encoder_decoder import ArchConfig
 
     st = checkpoint.load(path, map_location=device)
-    model = Captioner(ArchConfig.from_dict(st["arch"]))
+    arch = ArchConfig.from_dict(st["arch"])
+    model = Captioner(arch if dropout is None else arch.with_dropout(dropout))
     model.load_state_dict(st["state_dict"])
     return model.to(device).eval(), st

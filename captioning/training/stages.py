@@ -156,10 +156,11 @@ def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Pat
     """SCST fine-tuning starting from ``init_checkpoint`` (the XE best); resumes from ckpt_dir/last.pt.
 
     The starting weights are validated first and compete for the best checkpoint (``best_epoch == -1``: no SCST
-    epoch beat them on validation, and the returned model is the starting one)."""
+    epoch beat them on validation, and the returned model is the starting one). The model trains with
+    ``students.scst.dropout`` at every dropout site (unset: its XE rates); its checkpoints record that rate."""
     sc = ctx.cfg.students.scst
     s = settings or scst_settings(sc, ctx.cfg)
-    model, _ = load_model(init_checkpoint, device=ctx.device)
+    model, _ = load_model(init_checkpoint, device=ctx.device, dropout=sc.dropout)
     codec = codec_for(model, ctx.vocab)
     refs = references(ctx.labels, ctx.vocab, "train").ids
     loss = ScstLoss(refs, samples=sc.samples, baseline=sc.baseline, max_tokens=ctx.max_tokens(model), codec=codec)

@@ -174,3 +174,65 @@ def test_sampling_runs_in_fp32_under_autocast_unless_asked(sample_autocast, monk
         torch.manual_seed(0)
         again = rl(model, B)
         assert torch.equal(plain[0], again[0]) and torch.equal(plain[1], again[1])  # no autocast: unchanged
+
+
+def test_with_dropout_sets_each_site_keeps_switched_off_sites_and_weights():
+    from captioning.models import registry
+
+    exp = registry.preset("expansionnet")
+    assert exp.dropout == 0.3 and exp.input_dropout == 0.3
+    off = exp.with_dropout(0.0)
+    assert (off.dropout, off.input_dropout, off.zodiac_dropout) == (0.0, 0.0, 0.0)
+    assert off.attn_dropout in (None, 0.0)
+    rel = registry.preset("expansionnet@released")
+    assert rel.attn_dropout == 0.0 and rel.with_dropout(0.1).attn_dropout == 0.0  # a site switched off stays off
+    assert rel.with_dropout(0.1).dropout == 0.1
+    assert registry.preset("aic").replace(input_dropout=0.0).with_dropout(0.2).input_dropout == 0.0
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="dropout"):
+            exp.with_dropout(bad)
+    small = registry.scaled(exp, d_model=32, layers=2, heads=2, d_ff=64).replace(vocab_size=20, d_in=8)
+    a, b = Captioner(small), Captioner(small.with_dropout(0.0))
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert {m.p for m in a.modules() if isinstance(m, torch.nn.Dropout)} >= {0.3}
+    assert {m.p for m in b.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}
+
+
+@pytest.mark.parametrize("family", ["expansionnet", "zodiac"])
+def test_scst_trains_with_dropout_off_by_default_and_records_it(family, synth_ctx, tmp_path, monkeypatch):
+    """SCST's default (students.scst.dropout = 0): the policy it samples in train mode is the one decoding uses
+    (eval mode), and its checkpoints say so; unset keeps the XE rates."""
+    from captioning.training.loop import load_model
+
+    ctx = synth_ctx
+    cfg = ctx.cfg
+    arch = student_arch(family, "tiny", ctx.vocab, ctx.d_in, cfg.dataset.max_words)
+    assert arch.dropout > 0
+    _, res, _ = fit_xe(ctx, arch, tmp_path / "xe", settings=xe_settings(cfg.students.xe, cfg, epochs=1))
+    sc = cfg.students.scst  # shared by the session's tests: changed through monkeypatch, restored after
+    assert sc.dropout == 0.0
+    monkeypatch.setattr(sc, "epochs", 1)
+    monkeypatch.setattr(sc, "samples", 2)
+    fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
+    saved = checkpoint.load(tmp_path / "scst" / "last.pt")["arch"]
+    assert saved["dropout"] == 0.0 and saved["input_dropout"] == 0.0
+
+    m, _ = load_model(res.best_checkpoint, dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    feats, boxes = torch.randn(2, 5, ctx.d_in, generator=g), torch.rand(2, 5, 4, generator=g).sort(-1).values
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    tokens = torch.tensor([[m.bos, 5, 6, 7], [m.bos, 8, 9, 10]]) % m.cfg.vocab_size
+    with torch.no_grad():
+        m.train()
+        train_lp = m.forward(feats, boxes, mask, tokens)
+        m.eval()
+        eval_lp = m.forward(feats, boxes, mask, tokens)
+    assert torch.allclose(train_lp, eval_lp, atol=1e-6)
+    kept, _ = load_model(res.best_checkpoint)  # unset: the XE rates, dropout active in train mode
+    with torch.no_grad():
+        kept.train()
+        assert not torch.allclose(kept.forward(feats, boxes, mask, tokens), eval_lp, atol=1e-4)
+
+    monkeypatch.setattr(sc, "dropout", None)
+    fit_scst(ctx, res.best_checkpoint, tmp_path / "scst-kept")
+    assert checkpoint.load(tmp_path / "scst-kept" / "last.pt")["arch"]["dropout"] == arch.dropout
