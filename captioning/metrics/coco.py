@@ -30,6 +30,7 @@ keeps the first caption of each image instead and warns). Result ids that have n
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import math
@@ -231,15 +232,17 @@ def _ptb_tokenize(captions: Sequence[str]) -> tuple[list[str], int | None]:
     with tempfile.TemporaryDirectory(prefix="capflow-ptb-") as tmp:
         src = Path(tmp) / "captions.txt"
         src.write_bytes(sentences.encode())
-        cmd = ["java", "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer", "-preserveLines", "-lowerCase",
-               str(src)]
+        cmd = ["java", *_jvm_warnings_to_stderr(), "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer",
+               "-preserveLines", "-lowerCase", str(src)]
         proc = subprocess.run(cmd, cwd=tok_dir, capture_output=True, check=False)
     err = proc.stderr.decode(errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(f"PTB tokenizer failed (exit {proc.returncode}): {err[-2000:]}")
     lines = proc.stdout.decode().split("\n")
     if len(lines) < len(captions) or any(line.strip() for line in lines[len(captions):]):
-        raise RuntimeError(f"PTB tokenizer returned {len(lines)} lines for {len(captions)} captions")
+        extra = [ln for ln in lines[len(captions):] if ln.strip()][:2]
+        raise RuntimeError(f"PTB tokenizer returned {len(lines)} lines for {len(captions)} captions (first line "
+                           f"{lines[0][:120]!r}; extra {[ln[:120] for ln in extra]})")
     m = re.search(r"tokenized (\d+) tokens", err)
     tokens = [" ".join(w for w in line.rstrip().split(" ") if w not in _PUNCTUATIONS)
               for line in lines[: len(captions)]]
@@ -298,6 +301,16 @@ public class CapflowSpice {
     }
 }
 """
+
+
+@functools.cache
+def _jvm_warnings_to_stderr() -> tuple[str, ...]:
+    """JVM options that send the JVM's own warnings to stderr. Java 9+ writes them to *stdout* by default (unified
+    logging, ``-Xlog`` ``all=warning:stdout``), where one warning line - e.g. a thread the JVM could not start on a
+    loaded machine - shifts every tokenised caption by a line; measured: a pipeline's evaluation failed that way
+    once under load."""
+    major = _java_major()
+    return ("-Xlog:disable", "-Xlog:all=warning:stderr") if major is not None and major >= 9 else ()
 
 
 def _java_major(java: str = "java") -> int | None:

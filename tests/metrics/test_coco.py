@@ -241,6 +241,22 @@ def test_ptb_tokenize_keeps_one_line_per_caption():
     assert ptb_tokenize(caps) == ["a dog on the grass", "x y", "", "he said hi then left", "last one"]
 
 
+def test_ptb_tokenize_is_not_shifted_by_jvm_warnings(monkeypatch):
+    """Java 9+ prints its own warnings on stdout; one such line used to shift every caption (an evaluation failed
+    that way under load). -XX:+UseLargePages makes the JVM warn on a machine without large pages."""
+    import subprocess
+
+    probe = subprocess.run(["java", "-XX:+UseLargePages", "-version"], capture_output=True, text=True, check=False)
+    if "[warning]" not in probe.stdout:
+        pytest.skip("this JVM prints no warning on stdout for -XX:+UseLargePages (large pages configured?)")
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-XX:+UseLargePages")
+    caps = ["A dog on the grass.", "two cats", "last one."]
+    assert ptb_tokenize(caps) == ["a dog on the grass", "two cats", "last one"]
+    monkeypatch.setattr(coco, "_jvm_warnings_to_stderr", lambda: ())  # as before: the warning lands in stdout
+    with pytest.raises(RuntimeError, match=r"4 lines for 3 captions \(first line '\[.*warning"):
+        ptb_tokenize(caps)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
