@@ -116,19 +116,22 @@ def fit_xe(ctx: StageContext, arch: ArchConfig, ckpt_dir: str | Path, *, setting
 
     ``init_from``: a checkpoint whose matching tensors initialise the model (SATIC weight-init from the teacher).
     A model that standardises its features (``arch.standardize_features``) gets the training split's region
-    statistics first (the teacher's, under ``init_from``, are the same).
+    statistics: those stored in ``init_from`` when it has them (the teacher's: the same split), else computed.
     Returns the best-validation model, the train result and an info dict (init report, sources)."""
     s = settings or xe_settings(ctx.cfg.students.xe, ctx.cfg)
     torch.manual_seed(s.seed)
     model = Captioner(arch)
     info: dict[str, Any] = {"captions": captions, "seqkd_source": seqkd_source}
-    if arch.standardize_features and not (Path(ckpt_dir) / "last.pt").exists():
-        model.set_feature_stats(*map(torch.from_numpy, region_stats(ctx.source, ctx.rows("train"))))
-    if init_from is not None and not (Path(ckpt_dir) / "last.pt").exists():
+    fresh = not (Path(ckpt_dir) / "last.pt").exists()  # else train() resumes every tensor from last.pt
+    loaded: set[str] = set()
+    if init_from is not None and fresh:
         st = checkpoint.load(init_from)
         rep = checkpoint.init_from(model, st["state_dict"])
+        loaded = set(rep["loaded"])
         info["init_from"] = str(init_from)
         info["init_loaded"], info["init_skipped"] = len(rep["loaded"]), len(rep["skipped"])
+    if arch.standardize_features and fresh and not {"feature_mean", "feature_scale"} <= loaded:
+        model.set_feature_stats(*map(torch.from_numpy, region_stats(ctx.source, ctx.rows("train"))))
     codec = codec_for(arch, ctx.vocab)
     data = caption_dataset(ctx.source, ctx.labels, ctx.cfg, codec=codec,
                            sources=label_sources(ctx.labels, captions, seqkd_source))

@@ -90,3 +90,30 @@ def test_training_stores_the_training_splits_statistics_in_the_saved_model(synth
     # a student built the same way carries the option; without it, no buffers
     assert student_arch("lw", "tiny", ctx.vocab, ctx.d_in, 16, standardize=True).standardize_features
     assert not student_arch("lw", "tiny", ctx.vocab, ctx.d_in, 16).standardize_features
+
+
+def test_weight_init_takes_the_teachers_statistics_without_recomputing_them(synth_ctx, tmp_path, monkeypatch):
+    """SATIC's weight-init: the teacher's stored statistics (same training split) are loaded, not recomputed; an
+    init checkpoint without them leaves the student to compute its own."""
+    from captioning.training import stages
+
+    ctx = synth_ctx
+    words = ctx.cfg.dataset.max_words
+    teacher = teacher_arch(ctx.cfg.teacher.model, ctx.vocab, ctx.d_in, words, standardize=True)
+    one = xe_settings(ctx.cfg.students.xe, ctx.cfg, epochs=1)
+    t_model, t_res, _ = fit_xe(ctx, teacher, tmp_path / "t", settings=one)
+    calls = []
+    real = stages.region_stats
+    monkeypatch.setattr(stages, "region_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    student = student_arch("satic", "tiny", ctx.vocab, ctx.d_in, words, standardize=True)
+    s_model, _, info = fit_xe(ctx, student, tmp_path / "s", settings=one, init_from=t_res.best_checkpoint)
+    assert calls == [] and info["init_loaded"] > 0
+    torch.testing.assert_close(s_model.feature_mean, t_model.feature_mean)
+    torch.testing.assert_close(s_model.feature_scale, t_model.feature_scale)
+
+    plain = teacher_arch(ctx.cfg.teacher.model, ctx.vocab, ctx.d_in, words)  # no statistics in its checkpoint
+    _, p_res, _ = fit_xe(ctx, plain, tmp_path / "p", settings=one)
+    s2, _, _ = fit_xe(ctx, student, tmp_path / "s2", settings=one, init_from=p_res.best_checkpoint)
+    assert calls == [1]
+    mean, _ = real(ctx.source, ctx.rows("train"))
+    np.testing.assert_allclose(s2.feature_mean.numpy(), mean, rtol=1e-6, atol=1e-6)
