@@ -14,7 +14,9 @@ same run, each on a fresh model with the same seed:
 - ``fast``: ``precision`` (auto = bf16 on a CUDA device that supports it; CPUs run fp32), fused attention
   (``scaled_dot_product_attention``; the ``auto`` attention mode, so CPUs keep the explicit path), the loss read
   once after the timed steps, fused Adam and pinned batches copied ``non_blocking`` on CUDA; with ``compile``
-  an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step), with ``graphs`` an XE row
+  an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step); SCST's fast path samples through the
+  decoding engines' auto choice (on CUDA one replayed graph per sampling search), the anchor eagerly (``graphs=
+  False``); both SCST paths run with the dropout rates at 0, as ``students.scst.dropout``; with ``graphs`` an XE row
   ``fast_graphs`` (``run.compile: graphs``: forward, loss, backward and clipping replayed from a CUDA graph,
   :mod:`captioning.training.graphs`; its row says how many steps were replays; on a CPU it is the eager step).
 
@@ -123,6 +125,8 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
              seed: int, workers: int) -> dict[str, Any]:
     anchor = path == "fp32_eager"
     torch.manual_seed(seed)
+    if stage == "scst":  # SCST trains with its dropout rates at 0 (students.scst.dropout's default)
+        cfg = cfg.with_dropout(0.0)
     model = Captioner(cfg).to(dev).train()
     if stage == "xe":
         s = TrainSettings(batch_size=batch, schedule="noam", warmup=10000, clip=0.1, precision=precision,
@@ -134,7 +138,8 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
     counts: list[torch.Tensor] = []
     loss_fn = None
     if scst is not None:
-        rl = ScstLoss(scst["refs"], samples=scst["samples"], max_tokens=scst["max_tokens"], codec=scst["codec"])
+        rl = ScstLoss(scst["refs"], samples=scst["samples"], max_tokens=scst["max_tokens"], codec=scst["codec"],
+                      graphs=False if anchor else None)
 
         def loss_fn(m, b):
             total, count = rl(m, b)

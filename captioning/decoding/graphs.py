@@ -1,9 +1,11 @@
 """CUDA-graph-captured decoder steps for greedy and beam search (the host loop stays in ``search.py``).
 
 On a GPU a decoder step of these models is launch-bound: a few hundred small kernels whose launches cost far
-more than their arithmetic. :class:`GraphStep` captures one ``model.decode_step`` (every decoder layer, the
-generator and the log-softmax) into a ``torch.cuda.CUDAGraph`` over a static cache
-(:mod:`captioning.models.static_cache`) and replays it: one launch per step.
+more than their arithmetic. :class:`GraphRows` captures a whole greedy or sampling search (every step's decoder
+layers, generator, log-softmax, choice and bookkeeping, over a static cache, :mod:`captioning.models.
+static_cache`) into one ``torch.cuda.CUDAGraph``: one launch per batch, no host sync until the result is read.
+Beam search keeps host logic between steps: :class:`GraphStep` captures one ``model.decode_step`` and replays it
+once per step (and beam reorders through a second graph).
 
 A graph is tied to its shapes and storage: the number of rows, the memory's regions (padded to a multiple of
 :data:`REGION_BUCKET` with masked regions, so adaptive region counts share graphs), the cache's positions, the
@@ -126,6 +128,74 @@ class GraphStep:
         self.order.copy_(idx)
         with _on_device(self.device):
             self.reorder_graph.replay()
+
+
+class GraphRows:
+    """A whole row-wise search (greedy or sampling) captured as one graph for ``rows`` rows and ``regions``
+    regions: the cross states primed from the static memory, the position counter reset, and every step with
+    its choices and bookkeeping (:func:`captioning.decoding.search.static_rows` without host reads, so every
+    step runs; the steps after the last row finished only write PAD). One replay per batch."""
+
+    def __init__(self, model, rows: int, regions: int, d_memory: int, dtype: torch.dtype, max_len: int,
+                 sampler: tuple, constraint: int, device: torch.device):
+        from captioning.decoding import search
+
+        self.rows, self.regions = rows, regions
+        self.device = device
+        max_len, steps = search._steps(model, max_len)
+        self.memory = Memory(torch.zeros(rows, regions, d_memory, dtype=dtype, device=device),
+                             torch.zeros(rows, regions, dtype=torch.bool, device=device))
+        self.memory.mask[:, 0] = True  # capture-time content only; every batch copies its memory in
+        self.cache = model.new_cache(static=True, max_len=steps * int(model.group_size), device=device)
+        model.prime_cache(self.memory, self.cache)  # allocates the cross states the graph primes in place
+        if sampler[0] == "greedy":
+            choose = search._argmax
+        elif sampler[0] == "sample":
+            choose = search.race_sampler(sampler[1])
+        else:
+            raise ValueError(f"unknown sampler {sampler!r}")
+
+        def search_all():
+            model.prime_cache(self.memory, self.cache, in_place=True)
+            self.cache.reset()
+            return search.static_rows(model, lambda t: model.decode_step(self.memory, t, self.cache), rows,
+                                      device, max_len, choose, constraint, check_every=None)
+
+        search_all()  # on the current stream: allocates the static buffers
+        _on_side_stream(device, lambda: [search_all() for _ in range(WARMUP)])
+        self.graph, self.out = _capture(search_all)
+
+    def run(self, memory: Memory) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, token log-probs, lengths) for ``memory``: the graph's static outputs, valid until the next run."""
+        r = memory.states.shape[1]
+        self.memory.states[:, :r].copy_(memory.states)
+        self.memory.mask[:, :r].copy_(memory.mask)
+        if r < self.regions:
+            self.memory.states[:, r:].zero_()
+            self.memory.mask[:, r:] = False
+        with _on_device(self.device):
+            self.graph.replay()
+        return self.out
+
+
+def run_rows(model, memory: Memory, max_len: int, sampler: tuple = ("greedy",),
+             constraint: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole greedy (``("greedy",)``) or sampling (``("sample", temperature)``) search of ``memory`` replayed
+    from its graph (captured on first use per shape): (tokens (N, steps*K), token log-probs, lengths), clones."""
+    states = memory.states
+    device = states.device
+    rows, r, d = states.shape
+    regions = -(-r // REGION_BUCKET) * REGION_BUCKET
+    entry = _entry(model)
+    key = ("rows", tuple(sampler), int(constraint), rows, regions, d, states.dtype, int(max_len), str(device),
+           _autocast_state(device))
+    runner = entry["graphs"].get(key)
+    if runner is None:
+        with _capturing(device):
+            runner = GraphRows(model, rows, regions, d, states.dtype, max_len, tuple(sampler), constraint, device)
+        _keep(entry["graphs"], key, runner)
+    entry["graphs"].move_to_end(key)
+    return tuple(t.clone() for t in runner.run(memory))
 
 
 def _on_device(device: torch.device):

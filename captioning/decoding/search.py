@@ -27,10 +27,13 @@ Greedy and beam search have two cached engines with the same results (tests hold
   for the whole search (finished greedy rows keep decoding, their outputs ignored; beam search expands the
   memory to B*beam rows before step 0, whose other copies are ignored) and reorders in place; it reads "all
   finished" from the device only every :data:`CHECK_EVERY` steps, so a step needs no host sync. With
-  ``graphs=True`` each step (and each beam reorder) is a replayed CUDA graph (:mod:`captioning.decoding.
-  graphs`). ``graphs=None`` (auto) picks graphs when the memory is on a CUDA device, the cache is used and the
-  model has no active dropout (eval mode), falling back to eager with a warning if capturing fails.
-Sampling always runs eager (its random draws depend on which rows are still open).
+  ``graphs=True`` greedy search is one replayed CUDA graph for the whole search (every step, no host read in
+  between) and beam search replays a graph per step (and per beam reorder) (:mod:`captioning.decoding.graphs`).
+  ``graphs=None`` (auto) picks graphs when the memory is on a CUDA device, the cache is used and the model has
+  no active dropout (eval mode, or dropout rates of 0), falling back to eager with a warning if capturing fails.
+Sampling has the same engines (see :func:`sample`): the eager one draws with ``torch.multinomial`` (finished rows
+leave the batch, so the draws depend on which rows are still open); the static one and its whole-search graph
+draw by an exponential race, so a replay has no host sync.
 
 Decoding constraint (``decoding_constraint=True``; greedy, beam search, sampling): a word is never emitted right
 after itself - the option of the same name in the released SATIC code (inherited from ruotianluo's
@@ -281,20 +284,45 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
     return toks[:, :width], tlp[:, :width], lengths
 
 
-def _greedy_static(model, memory, max_len: int, graphs: bool, constraint: int = 0) -> tuple[torch.Tensor, ...]:
-    """Greedy on the static engine: every row stays in the batch (finished rows' outputs are ignored) and the
-    host checks "all finished" every CHECK_EVERY steps. Same results as ``_rowwise`` with arg-max."""
-    max_len, steps, k, eos, n, dev, toks, tlp, lengths = _row_outputs(model, memory, max_len)
-    done = torch.zeros(n, dtype=torch.bool, device=dev)
-    offs = torch.arange(k, device=dev)
-    stepper = _StaticStepper(model, memory, steps * k, graphs)
-    inp = model.start_tokens(n, device=dev)
+def _argmax(logp: torch.Tensor) -> torch.Tensor:
+    return logp.argmax(-1)
+
+
+def race_sampler(temperature: float = 1.0,
+                 generator: torch.Generator | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``choose`` for the static engine's sampling: one draw per position from ``softmax(logp / temperature)`` as
+    the arg-max of ``p / E`` with ``E ~ Exp(1)`` drawn per token (an exponential race: the same distribution as
+    ``torch.multinomial``, but no host sync and nothing data-dependent on the host, so a CUDA graph can replay
+    it; the default CUDA generator is registered with graphs). Not the same draws as ``multinomial`` for a seed."""
+    tiny = torch.finfo(torch.float32).tiny
+
+    def choose(logp: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logp / temperature, dim=-1)
+        race = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=tiny)
+        return (probs / race).argmax(-1)
+
+    return choose
+
+
+def static_rows(model, step: Callable[[torch.Tensor], torch.Tensor], n: int, device, max_len: int,
+                choose: Callable[[torch.Tensor], torch.Tensor], constraint: int = 0,
+                check_every: int | None = CHECK_EVERY) -> tuple[torch.Tensor, ...]:
+    """The static engine's row-wise loop (greedy or sampling): every row stays in the batch, finished rows' outputs
+    are ignored, ``step(tokens (n, K)) -> log-probs (n, K, V)`` feeds the static cache. The host reads "all
+    finished" every ``check_every`` steps; ``None`` never (no host sync at all: what a whole-search CUDA graph
+    records, running every step). Same results as ``_rowwise`` with the same ``choose`` when it is deterministic.
+    Returns (tokens (n, steps*K), token log-probs (n, steps*K), lengths (n,)): the full width, PAD after."""
+    max_len, steps = _steps(model, max_len)
+    k, eos = int(model.group_size), int(model.eos)
+    toks = torch.full((n, steps * k), PAD, dtype=torch.long, device=device)
+    tlp = torch.zeros(n, steps * k, dtype=torch.float32, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    offs = torch.arange(k, device=device)
+    inp = model.start_tokens(n, device=device)
     for s in range(steps):
-        logp = _mask_specials(model, stepper.step(inp).float())  # (N, K, V)
-        if constraint:
-            tok = _choose_constrained(logp, toks[:, : s * k], constraint, lambda lp: lp.argmax(-1))
-        else:
-            tok = logp.argmax(-1)
+        logp = _mask_specials(model, step(inp).float())  # (N, K, V)
+        tok = _choose_constrained(logp, toks[:, : s * k], constraint, choose) if constraint else choose(logp)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         is_eos = tok == eos
         keep = ((is_eos.cumsum(1) - is_eos.long()) == 0) & (offs < max_len - s * k)[None] & ~done[:, None]
@@ -304,11 +332,35 @@ def _greedy_static(model, memory, max_len: int, graphs: bool, constraint: int = 
         if (s + 1) * k >= max_len:
             break
         done |= (is_eos & keep).any(1)
-        if (s + 1) % CHECK_EVERY == 0 and bool(done.all()):
+        if check_every and (s + 1) % check_every == 0 and bool(done.all()):
             break
         inp = tok
-    width = max(int(lengths.max()) if n else 1, 1)
+    return toks, tlp, lengths
+
+
+def _trim(toks: torch.Tensor, tlp: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    width = max(int(lengths.max()) if lengths.numel() else 1, 1)
     return toks[:, :width], tlp[:, :width], lengths
+
+
+def _rows_static(model, memory, max_len: int, graphs: bool, choose: Callable[[torch.Tensor], torch.Tensor],
+                 constraint: int = 0, sampler: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """Row-wise decoding on the static engine. ``graphs``: the whole search replayed from one CUDA graph
+    (:func:`captioning.decoding.graphs.run_rows`; ``sampler`` = ("greedy",) or ("sample", temperature) names
+    ``choose`` there); else eager, checking "all finished" every CHECK_EVERY steps."""
+    if graphs:
+        from captioning.decoding import graphs as cuda_graphs
+
+        return _trim(*cuda_graphs.run_rows(model, memory, max_len, sampler or ("greedy",), constraint))
+    _, steps = _steps(model, max_len)
+    stepper = _StaticStepper(model, memory, steps * int(model.group_size), False)
+    n, dev = memory.states.shape[0], memory.states.device
+    return _trim(*static_rows(model, stepper.step, n, dev, max_len, choose, constraint))
+
+
+def _greedy_static(model, memory, max_len: int, graphs: bool, constraint: int = 0) -> tuple[torch.Tensor, ...]:
+    """Greedy on the static engine (see :func:`_rows_static`). Same results as ``_rowwise`` with arg-max."""
+    return _rows_static(model, memory, max_len, graphs, _argmax, constraint)
 
 
 def _pack(toks, tlp, lengths, b: int, per: int) -> Decoded:
@@ -336,7 +388,7 @@ def greedy(model, memory, max_len: int = 16, use_cache: bool = True, static_cach
     def run(static: bool, use_graphs: bool):
         if static:
             return _greedy_static(model, memory, max_len, use_graphs, constraint)
-        return _rowwise(model, memory, max_len, use_cache, lambda lp: lp.argmax(-1), constraint)
+        return _rowwise(model, memory, max_len, use_cache, _argmax, constraint)
 
     with torch.inference_mode():
         b = memory.states.shape[0]
@@ -347,29 +399,45 @@ def greedy(model, memory, max_len: int = 16, use_cache: bool = True, static_cach
 
 def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.0,
            generator: torch.Generator | None = None, use_cache: bool = True, decoding_constraint: bool = False,
-           word_tokens: int = 1) -> Decoded:
-    """``n`` multinomial samples per image from ``softmax(log p / temperature)`` (PAD/BOS excluded).
+           word_tokens: int = 1, static_cache: bool | None = None, graphs: bool | None = None) -> Decoded:
+    """``n`` samples per image from ``softmax(log p / temperature)`` (PAD/BOS excluded).
 
     The K positions of a group are sampled independently (they are predicted in parallel). The reported
     ``token_logprobs`` / ``logprobs`` are the *model's* log-probs of the sampled tokens (temperature-free
     log-softmax, PAD/BOS not renormalised away), i.e. the policy's log-prob that SCST needs - not the log-prob
     under the tempered sampling distribution. Reproducible with ``generator`` (on the memory's device).
     Samples of image b are rows ``b*n .. b*n+n-1`` of the flattened output. ``decoding_constraint``: see greedy
-    (the banned word is not sampled; the others keep their probabilities relative to each other)."""
+    (the banned word is not sampled; the others keep their probabilities relative to each other).
+
+    Engines: eager (the default on CPUs, and wherever a ``generator`` is given): finished rows leave the batch,
+    ``torch.multinomial`` draws; static (``static_cache=True``) or one CUDA graph for the whole search
+    (``graphs``; ``None`` = on CUDA, with the cache, no active dropout and the default generator): every row
+    runs every step and each draw is an exponential race (:func:`race_sampler`) - the same distribution, other
+    draws for the same seed."""
     constraint = _constraint(decoding_constraint, word_tokens)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature} (use greedy for arg-max)")
+    if graphs and generator is not None:
+        raise ValueError("graph-captured sampling draws from the default CUDA generator: pass generator=None")
 
     def choose(logp: torch.Tensor) -> torch.Tensor:
         a, k, v = logp.shape
         probs = torch.softmax(logp / temperature, dim=-1).reshape(a * k, v)
         return torch.multinomial(probs, 1, generator=generator).view(a, k)
 
+    def run(static: bool, use_graphs: bool):
+        if static:
+            return _rows_static(model, rows, max_len, use_graphs, race_sampler(temperature, generator), constraint,
+                                ("sample", float(temperature)))
+        return _rowwise(model, rows, max_len, use_cache, choose, constraint)
+
     with torch.inference_mode():
         b = memory.states.shape[0]
-        toks, tlp, lengths = _rowwise(model, memory.repeat(n), max_len, use_cache, choose, constraint)
+        rows = memory.repeat(n)
+        auto = False if graphs is None and generator is not None else graphs
+        toks, tlp, lengths = _run_engine(run, model, rows, use_cache, static_cache, auto)
         out = _pack(toks, tlp, lengths, b, n)
     return _outside_inference(out)
 

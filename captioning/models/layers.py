@@ -44,6 +44,7 @@ from captioning.models import static_cache
 
 ATTENTION_MODES = ("auto", "fused", "explicit")
 _MODE = "auto"  # process-wide (not thread-local): see attention_mode()
+DECODE_QUERIES = 8  # auto mode: fp32 attention of at most this many query positions without autograd is explicit
 
 
 @contextlib.contextmanager
@@ -51,7 +52,8 @@ def attention_mode(mode: str) -> Iterator[None]:
     """Inside the block every :class:`MultiHeadAttention` computes attention the ``mode`` way: ``fused``
     (``scaled_dot_product_attention`` wherever the arithmetic allows, CPUs included), ``explicit``
     (``softmax(QK^T/sqrt(d)) V`` materialised: the reference) or ``auto`` (fused on accelerators, explicit on
-    CPUs; the default outside any block). ZoDIAC is explicit in every mode."""
+    CPUs and for fp32 decoding steps of at most :data:`DECODE_QUERIES` query positions without autograd; the
+    default outside any block). ZoDIAC is explicit in every mode."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"unknown attention mode {mode!r}: one of {', '.join(ATTENTION_MODES)}")
     global _MODE
@@ -173,7 +175,13 @@ class MultiHeadAttention(nn.Module):
     def _use_fused(self, q: torch.Tensor) -> bool:
         if self.zodiac or not self.fused or _MODE == "explicit":
             return False
-        return _MODE == "fused" or q.device.type != "cpu"
+        if _MODE == "fused":
+            return True
+        # auto: fused on accelerators, except fp32 decoding steps (a few query positions, no gradient): there the
+        # fp32 memory-efficient kernel took 24 us a call on an H100 (AIC, batch 50: 23% of a greedy search's GPU
+        # time), more than the explicit path's few small kernels
+        few = q.shape[-2] <= DECODE_QUERIES and q.dtype == torch.float32 and not torch.is_grad_enabled()
+        return q.device.type != "cpu" and not few
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -1,9 +1,10 @@
 """Self-critical sequence training (SCST) on CIDEr-D.
 
 Per batch: encode the images (train mode, with gradients), draw ``samples`` captions per image from the model
-(:func:`captioning.decoding.sample`, no graph), reward each with CIDEr-D against the image's references, subtract
-a baseline (mean of the *other* samples of the same image, or the greedy caption's reward), and re-score the
-sampled tokens by teacher forcing to get differentiable log-probs:
+(:func:`captioning.decoding.sample`; on a CUDA device with the dropout rates at 0, the whole sampling search is
+one replayed CUDA graph, its draws exponential races: see :mod:`captioning.decoding.search`), reward each with
+CIDEr-D against the image's references, subtract a baseline (mean of the *other* samples of the same image, or
+the greedy caption's reward), and re-score the sampled tokens by teacher forcing to get differentiable log-probs:
 
     loss = - sum_{i,t} (r_i - b_i) * log p(y_{i,t}) / number of rewarded tokens (over the global batch)
 
@@ -60,11 +61,12 @@ class ScstLoss:
     ``references``: ``{image id: [caption word ids (no BOS/EOS), ...]}`` of the training images.
     ``codec``: the radix codec when the model emits radix digits. ``max_tokens``: longest sampled output
     (tokens, EOS included). ``sample_autocast``: sample (and decode the greedy baseline) under the step's
-    autocast instead of in fp32 (see the module's doc)."""
+    autocast instead of in fp32 (see the module's doc). ``graphs``: the decoding engine's CUDA-graph switch
+    (None = auto: graphs on CUDA without active dropout; False = the eager engine)."""
 
     def __init__(self, references: Mapping[Hashable, Sequence[Sequence[int]]], *, samples: int = 5,
                  baseline: str = "mean", max_tokens: int = 17, codec: RadixCodec | None = None,
-                 temperature: float = 1.0, sample_autocast: bool = False):
+                 temperature: float = 1.0, sample_autocast: bool = False, graphs: bool | None = None):
         if baseline not in ("mean", "greedy"):
             raise ValueError(f"baseline must be 'mean' or 'greedy', got {baseline!r}")
         if baseline == "mean" and samples < 2:
@@ -75,6 +77,7 @@ class ScstLoss:
         self.samples, self.baseline, self.max_tokens = samples, baseline, max_tokens
         self.codec, self.temperature = codec, temperature
         self.sample_autocast = sample_autocast
+        self.graphs = graphs
         self.stats = ScstStats()
 
     # ------------------------------------------------------------------ rewards
@@ -113,7 +116,8 @@ class ScstLoss:
         n = self.samples
         memory = model.encode(batch.features, batch.boxes, batch.region_mask)
         with self._decoding_precision(memory) as dec_memory:
-            drawn = sample(model, dec_memory, n=n, max_len=self.max_tokens, temperature=self.temperature)
+            drawn = sample(model, dec_memory, n=n, max_len=self.max_tokens, temperature=self.temperature,
+                           graphs=self.graphs)
         toks = drawn.tokens.reshape(-1, drawn.tokens.shape[-1])  # (B*n, L), image b -> rows b*n..b*n+n-1
         ids = batch.image_ids.tolist()
         reward = self.rewards(toks, [i for i in ids for _ in range(n)]).reshape(len(ids), n)
@@ -121,7 +125,7 @@ class ScstLoss:
             base = (reward.sum(1, keepdims=True) - reward) / (n - 1)
         else:
             with self._decoding_precision(memory) as dec_memory:
-                g = greedy(model, dec_memory, max_len=self.max_tokens)
+                g = greedy(model, dec_memory, max_len=self.max_tokens, graphs=self.graphs)
             base = np.repeat(self.rewards(g.flat(), ids)[:, None], n, axis=1)
         self.stats.reward += float(reward.sum())
         self.stats.baseline += float(base.sum())

@@ -374,6 +374,65 @@ def test_low_temperature_approaches_greedy():
     assert cold == [g[i // 4] for i in range(len(cold))]
 
 
+# ---------------------------------------------------------------------- sampling on the static engine
+# (exponential-race draws, every row running every step: the engine a whole-search CUDA graph replays)
+@pytest.mark.parametrize("name", ["aic", "satic-k2", "acort-small"])
+def test_static_sampling_is_well_formed_policy_and_seeded(name):
+    model, _, memory = model_and_inputs(name)
+    kw = {"n": 4, "max_len": 14, "temperature": 0.7, "static_cache": True}
+    s = sample(model, memory, generator=torch.Generator().manual_seed(1), **kw)
+    assert s.tokens.shape[:2] == (B, 4)
+    check_well_formed(model, s, 14)
+    torch.testing.assert_close(s.logprobs.reshape(-1), teacher_logprob(model, memory, s.flat()), atol=1e-4, rtol=0)
+    assert not s.token_logprobs.is_inference()
+    again = sample(model, memory, generator=torch.Generator().manual_seed(1), **kw)
+    other = sample(model, memory, generator=torch.Generator().manual_seed(2), **kw)
+    assert torch.equal(s.tokens, again.tokens) and torch.equal(s.logprobs, again.logprobs)
+    assert not torch.equal(s.tokens, other.tokens)
+    assert len({tuple(r) for r in rows(s)}) > B
+
+
+@pytest.mark.parametrize("name", ["aic", "satic-k4"])
+def test_static_sampling_eos_specials_and_length(name):
+    model, _, memory = model_and_inputs(name)
+    g = torch.Generator().manual_seed(0)
+    d = sample(_force(model, model.eos), memory, n=3, generator=g, static_cache=True)
+    assert torch.all(d.lengths == 1) and torch.all(d.tokens == model.eos)
+    for token in (PAD, model.bos):
+        check_well_formed(model, sample(_force(model, token), memory, n=2, max_len=9, generator=g,
+                                        static_cache=True), 9)
+    never_eos = _biased(model, model.eos, -1e4)
+    for max_len in (1, 5, 8):
+        d = sample(never_eos, memory, n=2, max_len=max_len, generator=g, static_cache=True)
+        check_well_formed(model, d, max_len)
+        assert torch.all(d.lengths == max_len)
+
+
+def test_static_sampling_at_low_temperature_is_greedy():
+    model, _, memory = model_and_inputs("satic-k2")
+    g = rows(greedy(model, memory))
+    cold = rows(sample(model, memory, n=3, temperature=1e-6, generator=torch.Generator().manual_seed(3),
+                       static_cache=True))
+    assert cold == [g[i // 3] for i in range(len(cold))]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_exponential_race_draws_from_the_tempered_distribution(temperature):
+    from captioning.decoding.search import race_sampler
+
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
+    n = 40000
+    logp = probs.log().expand(n, 1, 6).clone()
+    tok = race_sampler(temperature, torch.Generator().manual_seed(7))(logp)
+    assert tok.shape == (n, 1)
+    freq = torch.bincount(tok.view(-1), minlength=6).double() / n
+    want = probs.double() ** (1 / temperature)
+    want /= want.sum()
+    assert freq[5] == 0  # probability 0 is never drawn
+    # within 5 standard errors of a multinomial draw of n
+    assert torch.all((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12), (freq, want)
+
+
 def test_argument_errors():
     model, _, memory = model_and_inputs("aic")
     with pytest.raises(ValueError):

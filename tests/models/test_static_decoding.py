@@ -178,6 +178,9 @@ class _FakeGraph:
         new = self.fn()
         if isinstance(self.out, torch.Tensor):
             self.out.copy_(new)
+        elif isinstance(self.out, tuple):
+            for o, n in zip(self.out, new, strict=True):
+                o.copy_(n)
         self.replays += 1
 
 
@@ -188,9 +191,10 @@ def _fake_capture(fn):
 
 @pytest.mark.parametrize("name", ["aic", "satic-k4", "expansionnet", "acort-small"])
 def test_graph_runner_equals_eager_with_fake_graphs(monkeypatch, name):
-    """GraphStep's bookkeeping (static inputs copied in, regions padded to the bucket with masked regions, cross
-    states primed in place per batch, the position counter reset, reorders, one runner per shape) with
-    stand-in graphs: the search equals the eager one for several batches through the same runners."""
+    """The graph runners' bookkeeping (static inputs copied in, regions padded to the bucket with masked regions,
+    cross states primed in place per batch, the position counter reset, reorders, one runner per shape) with
+    stand-in graphs: the search equals the eager one for several batches through the same runners (greedy: one
+    graph for the whole search, GraphRows; beam search: a graph per step and per reorder, GraphStep)."""
     from captioning.decoding import graphs, search
 
     monkeypatch.setattr(graphs, "_capture", _fake_capture)
@@ -211,9 +215,38 @@ def test_graph_runner_equals_eager_with_fake_graphs(monkeypatch, name):
             assert_same(got, ref, tol)
         runners = graphs._STORE[model]["graphs"]
         assert len(runners) == 2  # greedy (3 rows) and beam (9 rows), reused by the second batch
-        assert {(r.rows, r.regions) for r in runners.values()} == {(3, graphs.REGION_BUCKET), (9, graphs.REGION_BUCKET)}
-        assert all(r.step_graph.replays > 0 for r in runners.values())
-        assert sum(r.reorder_graph.replays for r in runners.values()) > 0  # beam reorders through the graph
+        assert {(type(r).__name__, r.rows, r.regions) for r in runners.values()} == {
+            ("GraphRows", 3, graphs.REGION_BUCKET), ("GraphStep", 9, graphs.REGION_BUCKET)}
+        whole = next(r for r in runners.values() if isinstance(r, graphs.GraphRows))
+        assert whole.graph.replays == 2  # one replay per batch, not per step
+        step = next(r for r in runners.values() if isinstance(r, graphs.GraphStep))
+        assert step.step_graph.replays > 2 and step.reorder_graph.replays > 0  # beam search: per step, reorders
+    finally:
+        graphs.forget(model)
+
+
+@pytest.mark.parametrize("name", ["aic", "satic-k2"])
+def test_graph_sampling_runner_equals_eager_static_sampling_with_fake_graphs(monkeypatch, name):
+    """The whole-search sampling graph's bookkeeping with stand-in graphs: after seeding the (default) generator,
+    a replay draws what the eager static engine draws, batch after batch through one runner."""
+    from captioning.decoding import graphs, search
+
+    monkeypatch.setattr(graphs, "_capture", _fake_capture)
+    monkeypatch.setattr(graphs, "_on_side_stream", lambda device, fn: fn())
+    model = _model(name, 1.5)
+    try:
+        for seed in (1, 2, 3):
+            mem = _memory(model, 2, seed=seed).repeat(3)
+            with torch.inference_mode():
+                search._rows_static(model, mem, 12, True, None, 0, ("sample", 0.8))  # first use: capture
+                torch.manual_seed(seed)
+                got = search._rows_static(model, mem, 12, True, None, 0, ("sample", 0.8))
+                torch.manual_seed(seed)
+                ref = search._rows_static(model, mem, 12, False, search.race_sampler(0.8))
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2])
+            torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+        (runner,) = graphs._STORE[model]["graphs"].values()
+        assert runner.graph.replays == 6
     finally:
         graphs.forget(model)
 
@@ -247,6 +280,36 @@ def test_graph_search_equals_eager_on_cuda(name):
             assert_same(got, ref, GPU_TOL)
     # greedy b=1, b=4 and beam (3 and 12 rows), all 16 positions: four captured shapes, reused above
     assert len(graphs._STORE[model]["graphs"]) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["aic", "satic-k2", "acort-small", "expansionnet"])
+def test_graph_sampling_on_cuda(name):
+    """Sampling replayed from one graph per search: well-formed, the policy's own log-probs, reproducible after
+    seeding the default CUDA generator, new draws per replay, and at a tiny temperature the greedy captions."""
+    from captioning.decoding import graphs
+    from tests.models.test_decoding import check_well_formed, teacher_logprob
+
+    model = _cuda_model(name)
+    mem = _memory(model, 3, device="cuda")
+    sample(model, mem, n=4, max_len=14, graphs=True)  # captures
+    torch.manual_seed(11)
+    a = sample(model, mem, n=4, max_len=14, graphs=True)
+    torch.manual_seed(11)
+    assert_same(sample(model, mem, n=4, max_len=14, graphs=True), a, {"atol": 0.0, "rtol": 0.0})
+    check_well_formed(model, a, 14)
+    cpu_model = _model(name, 1.5)  # the same weights on the CPU (teacher_logprob builds its inputs there)
+    want = teacher_logprob(cpu_model, _memory(cpu_model, 3), a.flat().cpu())
+    torch.testing.assert_close(a.logprobs.reshape(-1).cpu(), want, atol=1e-3, rtol=0)
+    b = sample(model, mem, n=4, max_len=14)  # auto: graphs on CUDA in eval mode, a new draw
+    assert not torch.equal(a.tokens, b.tokens)
+    cold = sample(model, mem, n=2, max_len=14, temperature=1e-6, graphs=True)
+    g = greedy(model, mem, max_len=14, graphs=False)
+    assert torch.equal(cold.tokens[:, 0], g.tokens[:, 0]) and torch.equal(cold.tokens[:, 1], g.tokens[:, 0])
+    kinds = {k[1] for k in graphs._STORE[model]["graphs"]}
+    assert ("sample", 1.0) in kinds
+    with pytest.raises(ValueError, match="generator"):
+        sample(model, mem, graphs=True, generator=torch.Generator("cuda").manual_seed(0))
 
 
 @pytest.mark.gpu
