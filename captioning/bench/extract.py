@@ -210,7 +210,8 @@ def _reference_run(cfg: PipelineConfig, ds, uri: str, images: int) -> tuple[floa
     from captioning.features.parallel import _open_chunk, _put, _write_chunk, plan_chunks, prepare_store
 
     f = cfg.features
-    ex = f.extractor.model_copy(update={"batching": "exact", "loader_threads": 0, "amp": False})
+    ex = f.extractor.model_copy(update={"batching": "exact", "loader_threads": 0, "loader_processes": 0, "amp": False,
+                                        "channels_last": False})
     model = RegionExtractor(ex, min_boxes=f.min_boxes, max_boxes=f.max_boxes, feature_dim=f.feature_dim)
     sub = _subset(ds, images)
     store, _ = prepare_store(cfg, sub, uri)
@@ -338,11 +339,15 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
             rows.append({"path": "capflow", "variant": name, "workers": 1, "batching": ex.batching,
                          "batch_size": ex.batch_size, "precision": ex.amp_dtype if ex.amp else "fp32",
                          "selection_on_device": bool(ex.selection_on_device),
+                         "channels_last": ex.channels_last is not False,
+                         "loader_processes": ex.loader_processes,
                          "images": res.extracted, "ok": res.ok, "seconds": s,
                          "images_per_second": res.extracted / s})
             return res.extracted / s
 
         variants = {"device-selection": {"selection_on_device": True},
+                    "loader-processes": {"loader_processes": 8},
+                    "contiguous": {"channels_last": False},
                     "exact-fp32": {"batching": "exact", "amp": False},
                     "padded-bf16": {"batching": "padded", "amp": True, "amp_dtype": "bfloat16"},
                     "padded-fp16": {"batching": "padded", "amp": True, "amp_dtype": "float16"}}
@@ -362,11 +367,12 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
                                 max_boxes=f.max_boxes, feature_dim=f.feature_dim)
             return m(sample)
 
-        base = regions(batching="exact", amp=False)
+        base = regions(batching="exact", amp=False, channels_last=False)
         agree = {"exact_vs_reference": agreement(reference_extract(
-            RegionExtractor(f.extractor.model_copy(update={"batching": "exact", "amp": False}), min_boxes=f.min_boxes,
-                            max_boxes=f.max_boxes, feature_dim=f.feature_dim), sample), base)}
-        for name, upd in {"padded-fp32": {"batching": "padded", "amp": False},
+            RegionExtractor(f.extractor.model_copy(update={"batching": "exact", "amp": False, "channels_last": False}),
+                            min_boxes=f.min_boxes, max_boxes=f.max_boxes, feature_dim=f.feature_dim), sample), base)}
+        for name, upd in {"exact-fp32-channels-last": {"batching": "exact", "amp": False, "channels_last": True},
+                          "padded-fp32": {"batching": "padded", "amp": False},
                           **{k: v for k, v in variants.items() if "16" in k}}.items():
             agree[f"{name}_vs_exact-fp32"] = agreement(base, regions(**upd))
         prof = _profile(cfg, ds, min(128, images), str(root / "profile.zarr"))

@@ -14,6 +14,7 @@ existing rows are never rewritten.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -59,6 +60,8 @@ def store_key(f: FeaturesConfig) -> str:
     ex.pop("device")  # where it runs does not name the store (recorded in its attributes instead)
     ex.pop("weights_sha256")
     ex.pop("loader_threads")  # overlap only, never the numbers
+    ex.pop("loader_processes")
+    ex.pop("channels_last")  # float rounding only, as the device (cuDNN picks kernels by layout and batch anyway)
     ex.pop("selection_on_device")  # where the (exact) selection scan runs
     # settings added later are named only when they change the numbers, so existing stores keep their names
     if ex["batching"] == "exact":
@@ -236,9 +239,10 @@ def extract_chunks(
 ) -> list[ChunkResult]:
     """Extract and write whole chunks, streaming their images through one model. Idempotent per chunk.
 
-    The images of all ``chunks`` flow through :meth:`RegionExtractor.stream` (decoding ahead on threads, batches
-    across chunk boundaries, box selection overlapped with the device); a chunk is written (by a writer thread,
-    off the device's path) as soon as its last image is done, so a killed run loses at most the chunks in flight.
+    The images of all ``chunks`` flow through :meth:`RegionExtractor.stream` (decoding ahead on threads or
+    processes, batches across chunk boundaries, box selection overlapped with the device); a chunk is written (by
+    a writer thread, off the device's path) as soon as its last image is done, so a killed run loses at most the
+    chunks in flight.
     """
     from captioning.features.images import load_rgb
 
@@ -263,9 +267,9 @@ def extract_chunks(
                 if w is None:
                     continue
                 for k, (_, path) in enumerate(items):
-                    if w.pending[k]:
-                        yield (chunk, k), (lambda p=path: load_rgb(p, min_side=ex_cfg.min_image_side,
-                                                                   max_pixels=ex_cfg.max_image_pixels))
+                    if w.pending[k]:  # a partial, not a lambda: loader processes receive it pickled
+                        yield (chunk, k), functools.partial(load_rgb, path, min_side=ex_cfg.min_image_side,
+                                                            max_pixels=ex_cfg.max_image_pixels)
 
         with ThreadPoolExecutor(1, thread_name_prefix="capflow-write") as writer:
             writes = {}
@@ -400,7 +404,10 @@ def local_cluster(workers: int, threads_per_worker: int = 1, gpus: int | None = 
         kw["resources"] = {"GPU": 1}
     # distributed sets MALLOC_TRIM_THRESHOLD_ in workers, which turns off glibc's adaptive mmap threshold: every
     # large torch tensor then costs an mmap/munmap and page faults (measured: CPU extraction ~30% slower).
-    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+    settings: dict[str, Any] = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+    if gpus:  # a GPU worker starts its own decode processes (RegionExtractor's loader_processes): not daemonic
+        settings["distributed.worker.daemon"] = False
+    with dask.config.set(settings):
         return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
                             host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR, **kw)
 
