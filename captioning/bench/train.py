@@ -16,9 +16,10 @@ same run, each on a fresh model with the same seed:
   once after the timed steps, fused Adam and pinned batches copied ``non_blocking`` on CUDA; with ``compile``
   an XE row ``fast_compiled`` is added (``torch.compile`` of the XE step); SCST's fast path samples through the
   decoding engines' auto choice (on CUDA one replayed graph per sampling search), the anchor eagerly (``graphs=
-  False``); both SCST paths run with the dropout rates at 0, as ``students.scst.dropout``; with ``graphs`` an XE row
-  ``fast_graphs`` (``run.compile: graphs``: forward, loss, backward and clipping replayed from a CUDA graph,
-  :mod:`captioning.training.graphs`; its row says how many steps were replays; on a CPU it is the eager step).
+  False``); both SCST paths run with the dropout rates at 0, as ``students.scst.dropout``; with ``graphs`` XE and
+  SCST rows ``fast_graphs`` (``run.compile: graphs``: forward, loss, backward and clipping replayed from a CUDA
+  graph, :mod:`captioning.training.graphs`, SCST after its eager sampling and rewards; a row says how many steps
+  were replays; on a CPU it is the eager step).
 
 Each measurement runs ``warmup`` untimed steps, then ``steps`` timed ones (the clock stops after the device has
 finished). Rows give images/s, tokens/s (XE: target tokens; SCST: sampled tokens that are rewarded) and, on CUDA,
@@ -106,6 +107,28 @@ def _data(cfg: ArchConfig, images: int, regions: int, d_in: int, max_words: int,
     return source, labels, refs
 
 
+class _Counted:
+    """SCST's loss with the rewarded-token counts kept (tokens/s); split for graphs as ScstLoss is."""
+
+    graph_inputs = ScstLoss.graph_inputs
+
+    def __init__(self, rl: ScstLoss, counts: list[torch.Tensor]):
+        self.rl, self.counts = rl, counts
+
+    def __call__(self, m, b):
+        total, count = self.rl(m, b)
+        self.counts.append(count.detach())
+        return total, count
+
+    def draw(self, m, b):
+        d = self.rl.draw(m, b)
+        self.counts.append((d.tokens != PAD).sum().float())
+        return d
+
+    def graph_loss(self, m, d):
+        return self.rl.graph_loss(m, d)
+
+
 def _batches(ds: CaptionDataset, batch: int, pinned: bool, workers: int) -> Iterator[Any]:
     loader = make_loader(ds, batch, workers=workers, drop_last=True, pin_memory=pinned)
     epoch = 0
@@ -133,7 +156,7 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
                           compile=compile, fused_optimizer=not anchor)
     else:
         s = TrainSettings(batch_size=batch, schedule="constant", lr=5e-5, clip=None, precision=precision,
-                          fused_optimizer=not anchor)
+                          compile=compile, fused_optimizer=not anchor)
     opt, sched = make_optimizer(model, s, 100)
     counts: list[torch.Tensor] = []
     loss_fn = None
@@ -141,10 +164,7 @@ def _measure(cfg: ArchConfig, ds: CaptionDataset, dev: torch.device, *, batch: i
         rl = ScstLoss(scst["refs"], samples=scst["samples"], max_tokens=scst["max_tokens"], codec=scst["codec"],
                       graphs=False if anchor else None)
 
-        def loss_fn(m, b):
-            total, count = rl(m, b)
-            counts.append(count.detach())
-            return total, count
+        loss_fn = _Counted(rl, counts)
 
     runner = StepRunner(model, opt, sched, s, dev, loss_fn=loss_fn)
     pinned = dev.type == "cuda" and not anchor  # today's loader asked for pinning but left its batches pageable
@@ -242,9 +262,12 @@ def run(families: list[str] | None = None, device: str = "cpu", batch: int | Non
             sc_ds = CaptionDataset(source, labels=labels, captions_per_image=1, shuffle_buffer=64, seed=seed + 1,
                                    codec=codec)
             sc = {"refs": refs, "samples": samples, "max_tokens": max_words * per_word + 1, "codec": codec}
-            for path, prec in (("fp32_eager", "fp32"), ("fast", fast_precision)):
+            sc_paths = [("fp32_eager", "fp32", False), ("fast", fast_precision, False)]
+            if graphs:
+                sc_paths.append(("fast_graphs", fast_precision, "graphs"))
+            for path, prec, comp in sc_paths:
                 rows.append(common | _measure(cfg, sc_ds, dev, batch=batch, stage="scst", path=path, precision=prec,
-                                              compile=False, steps=steps, warmup=warmup, scst=sc, seed=seed,
+                                              compile=comp, steps=steps, warmup=warmup, scst=sc, seed=seed,
                                               workers=workers))
         if fam == families[0]:
             for b in memory_batches:

@@ -1,4 +1,5 @@
-"""The XE training step captured in a CUDA graph (``run.compile: graphs``): one launch per step.
+"""The XE training step captured in a CUDA graph (``run.compile: graphs``): one launch per step. SCST's update
+(after its eager sampling and rewards, :meth:`captioning.training.scst.ScstLoss.draw`) is captured the same way.
 
 At paper size an XE step is launch-bound on a GPU: about 750 forward operations, as many backward nodes and the
 autocast casts, each costing the host 10-30 us to dispatch, i.e. ~50 ms per step whatever the batch size,
@@ -86,8 +87,10 @@ class GraphedXeStep:
     a float64 device tensor (the caller's own; no host sync)."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-                 precision: str, device: torch.device, clip: float | None, *, warmup: int = WARMUP):
+                 precision: str, device: torch.device, clip: float | None, *, warmup: int = WARMUP,
+                 inputs: tuple[str, ...] = STATIC_INPUTS):
         self.model, self.loss_fn, self.precision, self.device = model, loss_fn, precision, torch.device(device)
+        self.inputs = inputs  # the batch attributes the loss reads (SCST: samples and advantages too)
         self.clip, self.warmup = clip, warmup
         self.key: tuple | None = None  # the shape the current graph (or warm-up count) is for
         self.seen = 0  # eager steps taken at self.key
@@ -133,7 +136,7 @@ class GraphedXeStep:
     def _padded(self, batch: Any) -> dict[str, torch.Tensor]:
         r = batch.features.shape[1]
         self.regions = max(self.regions, r)
-        out = {name: getattr(batch, name) for name in STATIC_INPUTS}
+        out = {name: getattr(batch, name) for name in self.inputs}
         for name in ("features", "boxes", "region_mask"):
             out[name] = pad_regions(out[name], self.regions)
         return out
@@ -182,7 +185,7 @@ class GraphedXeStep:
 
 
 class _Inputs:
-    """The static tensors as the batch the loss reads (``features``, ``boxes``, ``region_mask``, ``tokens``)."""
+    """The static tensors as the batch the loss reads (``features``, ``boxes``, ``region_mask``, ``tokens``, ...)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.__dict__.update(tensors)

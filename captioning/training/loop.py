@@ -185,9 +185,10 @@ class StepRunner:
     Calling it with a batch already on the device returns the batch's mean loss as a float64 tensor on the
     device (no host sync), or a float in data-parallel mode (whose all-reduce of the loss syncs anyway).
     ``settings.compile``: ``default`` compiles the XE step with ``torch.compile``, ``graphs`` replays it from a
-    CUDA graph (:class:`captioning.training.graphs.GraphedXeStep`; CUDA, fp32/bf16); both single process and XE
-    only: a custom ``loss_fn`` such as SCST's sampling loop stays eager. ``self.graphed`` is the graph runner
-    where it is used, else None."""
+    CUDA graph (:class:`captioning.training.graphs.GraphedXeStep`; CUDA, fp32/bf16); both single process. A custom
+    ``loss_fn`` stays eager unless it is split for graphs (``graph_inputs``, ``draw``, ``graph_loss``: SCST,
+    whose sampling and rewards run eagerly before the replayed update); ``default`` compiles XE only.
+    ``self.graphed`` is the graph runner where it is used, else None."""
 
     def __init__(self, model: Captioner, opt: torch.optim.Optimizer, sched, settings: TrainSettings,
                  device: torch.device, *, loss_fn: StepFn | None = None,
@@ -205,15 +206,21 @@ class StepRunner:
             fn = torch.compile(fn)
         self.fn = fn
         self.graphed = None
-        if mode == "graphs" and xe_only and graphs.supported(device, self.precision):
-            self.graphed = graphs.GraphedXeStep(model, lambda m, b: _xe_step(m, b, s, sync_free=True),
-                                                self.precision, device, s.clip)
+        self.prepare: Callable[[Captioner, Any], Any] | None = None  # eager work before a graphed loss (SCST)
+        if mode == "graphs" and wrapped is None and graphs.supported(device, self.precision):
+            if xe_only:
+                self.graphed = graphs.GraphedXeStep(model, lambda m, b: _xe_step(m, b, s, sync_free=True),
+                                                    self.precision, device, s.clip)
+            elif getattr(loss_fn, "graph_inputs", None):  # a loss split into eager draw + graphed update
+                self.graphed = graphs.GraphedXeStep(model, loss_fn.graph_loss, self.precision, device, s.clip,
+                                                    inputs=tuple(loss_fn.graph_inputs))
+                self.prepare = loss_fn.draw
         # a custom loss (SCST) decodes, see captioning.precision.autocast; unless it says its decoding is eager
         self.cache_casts = loss_fn is None or bool(getattr(loss_fn, "autocast_cache", False))
 
     def __call__(self, batch) -> torch.Tensor | float:
         if self.graphed is not None:  # forward, backward and clipping replayed; the optimizer eager
-            value = self.graphed(batch)
+            value = self.graphed(self.prepare(self.model, batch) if self.prepare is not None else batch)
             self.opt.step()
             self.sched.step()
             return value

@@ -19,7 +19,7 @@ from captioning.data.stores import GROUND_TRUTH, Labels
 from captioning.data.text import BOS, EOS, PAD, RadixCodec, Vocabulary
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.registry import PRESETS, for_vocab, preset, scaled
-from captioning.training.loop import TrainSettings
+from captioning.training.loop import TrainSettings, compile_mode
 
 #: student family -> the registry preset that stands for it (any registry preset name is accepted as well)
 FAMILIES: dict[str, str] = {
@@ -109,7 +109,8 @@ def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None)
 def scst_settings(scst: SCSTConfig, cfg: PipelineConfig) -> TrainSettings:
     lo = cfg.loader
     return TrainSettings(epochs=scst.epochs, batch_size=scst.batch_size or lo.batch_size, schedule="constant",
-                         lr=scst.lr, clip=None, workers=lo.workers, seed=cfg.run.seed + 1, precision=cfg.run.precision)
+                         lr=scst.lr, clip=None, workers=lo.workers, seed=cfg.run.seed + 1, precision=cfg.run.precision,
+                         compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else "off")
 
 
 def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]:

@@ -113,13 +113,17 @@ class ScstLoss:
     def __call__(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the per-token losses, number of rewarded tokens): the trainer divides by the global count,
         so data-parallel training is exact."""
-        n = self.samples
         memory = model.encode(batch.features, batch.boxes, batch.region_mask)
+        toks, adv = self._advantages(model, memory, batch.image_ids.tolist())
+        return self._policy_loss(model, memory, toks, adv)
+
+    def _advantages(self, model, memory: Memory, ids: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples (B*n, L) of ``memory``'s images, rewarded and baselined: (tokens, advantages (B*n,))."""
+        n = self.samples
         with self._decoding_precision(memory) as dec_memory:
             drawn = sample(model, dec_memory, n=n, max_len=self.max_tokens, temperature=self.temperature,
                            graphs=self.graphs)
         toks = drawn.tokens.reshape(-1, drawn.tokens.shape[-1])  # (B*n, L), image b -> rows b*n..b*n+n-1
-        ids = batch.image_ids.tolist()
         reward = self.rewards(toks, [i for i in ids for _ in range(n)]).reshape(len(ids), n)
         if self.baseline == "mean":
             base = (reward.sum(1, keepdims=True) - reward) / (n - 1)
@@ -131,10 +135,53 @@ class ScstLoss:
         self.stats.baseline += float(base.sum())
         self.stats.samples += reward.size
         adv = torch.as_tensor((reward - base).reshape(-1), dtype=torch.float32, device=toks.device)
+        return toks, adv
 
+    def _policy_loss(self, model, memory: Memory, toks: torch.Tensor, adv: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         targets = torch.cat([torch.full_like(toks[:, :1], model.bos), toks], 1)
         inputs, y = model.teacher_inputs(targets)
-        logp = model.forward(None, None, None, inputs, memory=memory.repeat(n))
+        logp = model.forward(None, None, None, inputs, memory=memory.repeat(self.samples))
         tok_logp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         mask = (y != PAD).float()
         return -(adv[:, None] * tok_logp * mask).sum(), mask.sum()
+
+    # ------------------------------------------------------------------ the step split for a CUDA graph
+    # ``run.compile: graphs`` (single process): sampling and rewards (host work, data-dependent lengths) run
+    # eagerly in draw(); the update (encoder with gradients, teacher-forced re-scoring, loss) has fixed shapes -
+    # the samples padded to max_tokens - and is replayed from a graph (captioning.training.graphs.GraphedXeStep)
+    graph_inputs = ("features", "boxes", "region_mask", "tokens", "adv")
+
+    def draw(self, model, batch) -> Drawn:
+        """Samples, rewards and advantages of ``batch`` (no gradient; the encoder runs once more in the update,
+        so with dropout on - ``students.scst.dropout: null`` - the two encodings draw different masks, as the
+        one-piece loss's sampling and re-scoring already do in the decoder): the graph-captured update's
+        inputs, the samples padded with PAD to ``max_tokens``."""
+        with torch.no_grad():
+            memory = model.encode(batch.features, batch.boxes, batch.region_mask)
+            toks, adv = self._advantages(model, memory, batch.image_ids.tolist())
+        padded = toks.new_full((toks.shape[0], self.max_tokens), PAD)
+        padded[:, : toks.shape[1]] = toks
+        return Drawn(batch.features, batch.boxes, batch.region_mask, padded, adv)
+
+    def graph_loss(self, model, drawn: Drawn) -> torch.Tensor:
+        """The update's loss from :meth:`draw`'s inputs: the same value as ``__call__``'s sum / count for the
+        same samples (trailing PAD positions are masked, and a causal decoder's earlier positions never see
+        them); the count stays on the device."""
+        memory = model.encode(drawn.features, drawn.boxes, drawn.region_mask)
+        total, count = self._policy_loss(model, memory, drawn.tokens, drawn.adv)
+        return total / count.clamp(min=1)
+
+
+@dataclass
+class Drawn:
+    """A batch's samples and advantages, as the graph-captured SCST update reads them."""
+
+    features: torch.Tensor
+    boxes: torch.Tensor
+    region_mask: torch.Tensor
+    tokens: torch.Tensor  # (B*n, max_tokens) sampled output tokens, PAD after each caption
+    adv: torch.Tensor  # (B*n,) reward minus baseline
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from captioning.decoding import greedy
-from captioning.models.layers import MultiHeadAttention, explicit_attention
+from captioning.models.layers import MultiHeadAttention, explicit_attention, fused_attention
 from captioning.models.registry import PRESETS
 from captioning.precision import autocast, resolve_precision
 from captioning.training import checkpoint
@@ -109,7 +109,8 @@ def test_fused_equals_explicit_on_cuda_fp32(name):
         mem = model.encode(feats, boxes, mask)
     k = model.group_size
     max_len = 12 if k == 1 else 6 * k
-    got = greedy(model, mem, max_len=max_len, static_cache=True, graphs=False)
+    with fused_attention():  # auto mode decodes fp32 steps explicitly: SDPA's decoding path is tested here
+        got = greedy(model, mem, max_len=max_len, static_cache=True, graphs=False)
     with explicit_attention():
         want = greedy(model, mem, max_len=max_len, static_cache=True, graphs=False)
     assert torch.equal(got.tokens, want.tokens)
@@ -246,3 +247,63 @@ def test_graph_captured_xe_step_with_dropout_trains_on_cuda(data):  # noqa: F811
     assert runner.graphed.failed is None and runner.graphed.replays == 8 - runner.graphed.warmup
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert len(set(losses[-3:])) == 3
+
+
+def _scst_setup():
+    from captioning.training.scst import ScstLoss
+
+    torch.manual_seed(0)
+    model = tiny("aic")
+    model = type(model)(model.cfg.with_dropout(0.0)).to(CUDA).train()
+    f, bx, m = _on_cuda(*inputs())
+    rl = ScstLoss({i: [[3, 4, 5, 6], [7, 8]] for i in range(f.shape[0])}, samples=3, max_tokens=10)
+
+    class B:
+        features, boxes, region_mask = f, bx, m
+        image_ids = torch.arange(f.shape[0])
+
+    return model, rl, B
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graph_captured_scst_update_equals_eager_on_cuda(precision):
+    """SCST under run.compile=graphs: sampling and rewards eager, the update replayed; a replay gives the eager
+    update's loss and gradients for the same draws."""
+    from captioning.training.graphs import GraphedXeStep
+
+    if precision == "bf16":
+        _bf16()
+    model, rl, B = _scst_setup()
+    drawn = rl.draw(model, B)
+    g = GraphedXeStep(model, rl.graph_loss, precision, CUDA, 0.1, inputs=rl.graph_inputs)
+    values = [float(g(drawn)) for _ in range(4)]
+    assert g.failed is None, g.failed
+    assert g.captures == 1 and g.replays == 4 - g.warmup
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    with autocast(precision, CUDA):
+        loss = rl.graph_loss(model, drawn)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    tol = 1e-5 if precision == "fp32" else 2e-3
+    assert values[-1] == pytest.approx(float(loss), abs=tol, rel=tol)
+    want = [p.grad for p in model.parameters() if p.grad is not None]
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_scst_trains_through_the_graphed_step_on_cuda(precision):
+    """The trainer's step with run.compile=graphs and SCST's loss: eager draws, replayed updates, eager Adam."""
+    if precision == "bf16":
+        _bf16()
+    model, rl, B = _scst_setup()
+    s = TrainSettings(batch_size=3, schedule="constant", lr=1e-4, clip=None, precision=precision, compile="graphs")
+    opt, sched = make_optimizer(model, s, 10)
+    runner = StepRunner(model, opt, sched, s, CUDA, loss_fn=rl)
+    assert runner.graphed is not None and runner.prepare is not None
+    out = [float(runner(B)) for _ in range(5)]
+    assert runner.graphed.failed is None, runner.graphed.failed
+    assert all(v == v for v in out) and runner.graphed.replays == 5 - runner.graphed.warmup
+    assert rl.pop_stats()["reward"] >= 0  # the draws were rewarded (stats kept by the eager part)
+    assert all(int(st["step"]) == 5 for st in opt.state.values())  # Adam stepped after every replay

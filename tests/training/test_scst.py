@@ -95,6 +95,38 @@ def test_mean_of_others_baseline_and_gradient_direction():
     greedy_loss(model, B)[0].backward()
 
 
+@pytest.mark.parametrize("name", ["aic", "satic-k2"])
+def test_split_step_for_graphs_equals_the_loss(name):
+    """The graph-captured SCST update's split (eager draw, then the update's loss on samples padded to
+    max_tokens) gives the loss and the gradients of the one-piece loss for the same draws."""
+    refs = {7: [[3, 4, 5]], 8: [[6, 7]], 9: [[3, 6, 9, 4]]}
+    model = Captioner(_tiny(name).cfg.with_dropout(0.0)).train()  # every site off (SCST's default), as the
+    # split encodes twice (with dropout on, the two encodings would draw different masks)
+
+    class B:
+        features = torch.randn(3, 5, 12)
+        boxes = torch.rand(3, 5, 4)
+        region_mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False]])
+        image_ids = torch.tensor([7, 8, 9])
+
+    whole, split = ScstLoss(refs, samples=6, max_tokens=10), ScstLoss(refs, samples=6, max_tokens=10)
+    torch.manual_seed(3)
+    total, count = whole(model, B)
+    (total / count).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    drawn = split.draw(model, B)
+    assert drawn.tokens.shape == (18, 10) and len(drawn) == 3 and not drawn.adv.requires_grad
+    assert float(drawn.adv.abs().sum()) > 0  # some samples beat the others (else the test shows nothing)
+    loss = split.graph_loss(model, drawn)
+    loss.backward()
+    torch.testing.assert_close(loss, total / count, atol=1e-6, rtol=1e-5)
+    for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
+    assert split.pop_stats() == whole.pop_stats()
+
+
 def test_scst_kill_and_resume_gives_identical_weights(synth_ctx, tmp_path):
     ctx = synth_ctx
     cfg = ctx.cfg
