@@ -103,12 +103,7 @@ class GraphStep:
 
     def start(self, memory: Memory) -> None:
         """A new caption (batch) for ``memory`` (rows x at most ``regions`` regions)."""
-        r = memory.states.shape[1]
-        self.memory.states[:, :r].copy_(memory.states)
-        self.memory.mask[:, :r].copy_(memory.mask)
-        if r < self.regions:
-            self.memory.states[:, r:].zero_()
-            self.memory.mask[:, r:] = False
+        _copy_memory(self.memory, memory)
         self.model.prime_cache(self.memory, self.cache, in_place=True)
         self.cache.reset()
         self.length = 0
@@ -167,12 +162,7 @@ class GraphRows:
 
     def run(self, memory: Memory) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, token log-probs, lengths) for ``memory``: the graph's static outputs, valid until the next run."""
-        r = memory.states.shape[1]
-        self.memory.states[:, :r].copy_(memory.states)
-        self.memory.mask[:, :r].copy_(memory.mask)
-        if r < self.regions:
-            self.memory.states[:, r:].zero_()
-            self.memory.mask[:, r:] = False
+        _copy_memory(self.memory, memory)
         with _on_device(self.device):
             self.graph.replay()
         return self.out
@@ -196,6 +186,16 @@ def run_rows(model, memory: Memory, max_len: int, sampler: tuple = ("greedy",),
         _keep(entry["graphs"], key, runner)
     entry["graphs"].move_to_end(key)
     return tuple(t.clone() for t in runner.run(memory))
+
+
+def _copy_memory(static: Memory, memory: Memory) -> None:
+    """``memory`` into a graph's static memory (more regions: the rest zeroed and masked out)."""
+    r = memory.states.shape[1]
+    static.states[:, :r].copy_(memory.states)
+    static.mask[:, :r].copy_(memory.mask)
+    if r < static.states.shape[1]:
+        static.states[:, r:].zero_()
+        static.mask[:, r:] = False
 
 
 def _on_device(device: torch.device):
