@@ -771,14 +771,18 @@ class RegionExtractor:
         lookahead = window + 2 * max(threads, self.loader_processes if remote else 0, 1)
         min_size, max_size = self.cfg.min_size, self.cfg.max_size
 
+        checked = False
+
         def submit(key, fn):
-            nonlocal remote
+            nonlocal remote, checked
+            remote = remote and self.loader_processes > 0  # off for good once a loader process failed
             if remote:
-                if not _picklable(fn):  # checked once: a stream's callables are all of one kind
+                if not checked and not _picklable(fn):  # checked once: a stream's callables are of one kind
                     log.info("loader callables cannot be pickled (%s): decoding on loader threads",
                              type(fn).__name__)
                     remote = False
                 else:
+                    checked = True
                     try:
                         return key, fn, self._process_pool().submit(_load_resized, fn, min_size, max_size), True
                     except Exception as e:  # a broken pool, or one that cannot start here
