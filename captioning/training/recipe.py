@@ -110,7 +110,7 @@ def scst_settings(scst: SCSTConfig, cfg: PipelineConfig) -> TrainSettings:
     lo = cfg.loader
     return TrainSettings(epochs=scst.epochs, batch_size=scst.batch_size or lo.batch_size, schedule="constant",
                          lr=scst.lr, clip=None, workers=lo.workers, seed=cfg.run.seed + 1, precision=cfg.run.precision,
-                         compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else "off")
+                         compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else False)
 
 
 def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]:

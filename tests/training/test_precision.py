@@ -59,7 +59,10 @@ def test_config_keys_reach_the_train_settings():
     xe = xe_settings(cfg.students.xe, cfg)
     assert (xe.precision, xe.compile) == ("fp16", True)
     sc = scst_settings(cfg.students.scst, cfg)
-    assert sc.precision == "fp16" and sc.compile is False  # SCST's sampling loop stays eager
+    assert sc.precision == "fp16" and sc.compile is False  # torch.compile is for XE only
+    graphs = load_config("tiny", overrides=["run.compile=graphs"])
+    # SCST's update is graph-captured too (its sampling and rewards run eagerly before it)
+    assert scst_settings(graphs.students.scst, graphs).compile == "graphs"
     with pytest.raises(ConfigError, match=r"run\.precision"):
         load_config("tiny", overrides=["run.precision=fp8"])
 
