@@ -235,17 +235,15 @@ def _outside_inference(d: Decoded) -> Decoded:
 
 
 # ---------------------------------------------------------------------- greedy / sampling (independent rows)
-def _row_outputs(model, memory, max_len: int):
-    """What row-wise decoders share: (max_len, steps, K, eos, N, device) and the empty outputs (tokens (N, L)
-    filled with PAD, token log-probs (N, L), lengths (N,)), L = steps * K."""
+def _row_outputs(model, n: int, dev, max_len: int):
+    """What row-wise decoders share: (max_len, steps, K, eos) and the empty outputs of ``n`` rows on ``dev``
+    (tokens (n, L) filled with PAD, token log-probs (n, L), lengths (n,)), L = steps * K."""
     max_len, steps = _steps(model, max_len)
     k, eos = int(model.group_size), int(model.eos)
-    n = memory.states.shape[0]
-    dev = memory.states.device
     toks = torch.full((n, steps * k), PAD, dtype=torch.long, device=dev)
     tlp = torch.zeros(n, steps * k, dtype=torch.float32, device=dev)
     lengths = torch.zeros(n, dtype=torch.long, device=dev)
-    return max_len, steps, k, eos, n, dev, toks, tlp, lengths
+    return max_len, steps, k, eos, toks, tlp, lengths
 
 
 def _rowwise(model, memory, max_len: int, use_cache: bool,
@@ -255,7 +253,8 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
     Finished rows leave the batch (cache, prefix and memory keep only the open rows), and decoding stops
     as soon as every row is finished. ``constraint`` d > 0: the decoding constraint with words of d tokens.
     Returns (tokens (N, L), token log-probs (N, L), lengths (N,))."""
-    max_len, steps, k, eos, n, dev, toks, tlp, lengths = _row_outputs(model, memory, max_len)
+    n, dev = memory.states.shape[0], memory.states.device
+    max_len, steps, k, eos, toks, tlp, lengths = _row_outputs(model, n, dev, max_len)
     active = torch.arange(n, device=dev)  # original row of each open row
     offs = torch.arange(k, device=dev)
     stepper = _Stepper(model, memory, use_cache)
@@ -312,11 +311,7 @@ def static_rows(model, step: Callable[[torch.Tensor], torch.Tensor], n: int, dev
     finished" every ``check_every`` steps; ``None`` never (no host sync at all: what a whole-search CUDA graph
     records, running every step). Same results as ``_rowwise`` with the same ``choose`` when it is deterministic.
     Returns (tokens (n, steps*K), token log-probs (n, steps*K), lengths (n,)): the full width, PAD after."""
-    max_len, steps = _steps(model, max_len)
-    k, eos = int(model.group_size), int(model.eos)
-    toks = torch.full((n, steps * k), PAD, dtype=torch.long, device=device)
-    tlp = torch.zeros(n, steps * k, dtype=torch.float32, device=device)
-    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    max_len, steps, k, eos, toks, tlp, lengths = _row_outputs(model, n, device, max_len)
     done = torch.zeros(n, dtype=torch.bool, device=device)
     offs = torch.arange(k, device=device)
     inp = model.start_tokens(n, device=device)
