@@ -251,10 +251,23 @@ def _family(runs_models: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(preset: str = "learning", overrides: tuple[str, ...] = (), workdir: str | None = None,
-        progress: bool = False, seeds: int = 3) -> dict[str, Any]:
-    """The bench over ``seeds`` full runs (see the module's doc); ``workdir`` holds ``seed-<n>/`` per seed."""
+        progress: bool = False, seeds: int = 3, threads: int | None = None) -> dict[str, Any]:
+    """The bench over ``seeds`` full runs (see the module's doc); ``workdir`` holds ``seed-<n>/`` per seed;
+    ``threads``: torch threads for the whole bench (None: leave torch's setting)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(preset, overrides, workdir, progress, seeds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(preset: str, overrides: tuple[str, ...], workdir: str | None, progress: bool, seeds: int) -> dict[str, Any]:
     tmp = None
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="capflow-bench-learning-")

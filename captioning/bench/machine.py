@@ -8,8 +8,9 @@ import platform
 
 
 def machine_info(**extra: object) -> dict:
-    """Python, OS, CPU model and counts, numpy/torch versions and torch threads; ``extra`` entries appended
-    (e.g. ``device=...``)."""
+    """Python, OS, CPU model and counts, numpy/torch versions, torch threads and the CPU capability torch's kernels
+    were picked for (AVX2, AVX512, ...: CPU float results reproduce to the bit only at the same capability and
+    threads); ``extra`` entries appended (e.g. ``device=...``)."""
     import numpy as np
     import torch
 
@@ -20,7 +21,7 @@ def machine_info(**extra: object) -> dict:
     return {"python": platform.python_version(), "platform": platform.platform(),
             "processor": _cpu_model() or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "cpus_usable": usable, "numpy": np.__version__, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), **extra}
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), **extra}
 
 
 def _cpu_model() -> str | None:

@@ -29,7 +29,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              device=args.device)
         else:
             result = run_extract(images=args.images or 48, preset=args.preset or "demo",
-                                 overrides=tuple(args.overrides), threads=args.threads, workdir=args.tmp)
+                                 overrides=tuple(args.overrides), threads=args.threads or 1, workdir=args.tmp)
     elif args.name == "cider":
         from captioning.bench.cider import run as run_cider
 
@@ -57,8 +57,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if args.seeds < 1:
             raise CLIError("--seeds must be >= 1")
+        if args.threads is not None and args.threads < 1:
+            raise CLIError("--threads must be >= 1")
         result = run_learning(preset=args.preset or "learning", overrides=tuple(args.overrides), workdir=args.tmp,
-                              progress=not args.json, seeds=args.seeds)
+                              progress=not args.json, seeds=args.seeds, threads=args.threads)
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
@@ -91,7 +93,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "learning: training preset (default learning)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extract, learning: config overrides")
-    b.add_argument("--threads", type=int, default=1, help="extract: torch threads per model")
+    b.add_argument("--threads", type=int, help="extract: torch threads per model (default 1); learning: torch "
+                   "threads (default: torch's own, one per core) - a CPU run reproduces to the bit only with the same "
+                   "threads and CPU capability (README, 'What reproduces where')")
     b.add_argument("--seeds", type=int, default=3, help="learning: full runs with seeds 0..N-1 added to the preset's "
                    "(default 3); every number as mean and sd, ratios on the means, claims counted per seed")
     b.add_argument("--json", action="store_true", help="print one JSON object")
