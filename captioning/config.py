@@ -210,6 +210,9 @@ class XEConfig(Section):
 class SCSTConfig(Section):
     enabled: bool = Field(True, description="Run SCST fine-tuning after XE")
     epochs: int = Field(10, ge=1, description="SCST epochs")
+    epochs_for: dict[str, int] = Field(
+        default_factory=dict, description="SCST epochs of named students (a family or registry preset: "
+        "{expansionnet: 10}), overriding `epochs` for them")
     lr: float = Field(5e-5, gt=0, description="Constant SCST learning rate")
     samples: int = Field(5, ge=2, description="Sampled captions per image")
     baseline: Literal["mean", "greedy"] = Field("mean", description="Reward baseline: mean of others or greedy")
@@ -219,6 +222,24 @@ class SCSTConfig(Section):
         0.0, ge=0, lt=1, description="Dropout at every site of the model while SCST samples and re-scores; 0 = the "
         "policy SCST improves is the one greedy/beam decoding evaluates (chosen on validation: README, 'SCST "
         "recipe'); unset = the model's own XE dropout, as the released SCST code keeps it")
+
+    def for_student(self, name: str | None) -> SCSTConfig:
+        """The section as it applies to student ``name``: its ``epochs_for`` entry, if any, as ``epochs``."""
+        return self.model_copy(update={"epochs": self.epochs_for.get(name, self.epochs) if name else self.epochs,
+                                       "epochs_for": {}})
+
+    @field_validator("epochs_for")
+    @classmethod
+    def _known_students(cls, v: dict[str, int]) -> dict[str, int]:
+        from captioning.models.registry import PRESETS
+        from captioning.training.recipe import FAMILIES
+
+        for name, epochs in v.items():
+            if name not in FAMILIES and name not in PRESETS:
+                raise ValueError(f"unknown student {name!r} (families: {', '.join(FAMILIES)})")
+            if epochs < 1:
+                raise ValueError(f"{name}: SCST epochs must be >= 1, got {epochs}")
+        return v
 
 
 class TeacherConfig(Section):
@@ -321,8 +342,12 @@ class PipelineConfig(Section):
         if section:
             for part in section.split("."):
                 data = data[part]
-        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()
+        return json_digest(data)
+
+
+def json_digest(data: Any) -> str:
+    """sha256 of ``data``'s canonical JSON (sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------- loading

@@ -15,6 +15,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from captioning.config import json_digest
 from captioning.data.karpathy import Dataset
 from captioning.data.stores import LabelStore
 from captioning.metrics.coco import references_document
@@ -115,7 +116,9 @@ def student_key(rc: RunContext, name: str, arch: dict, feats: FeaturesRef, label
     parts: dict[str, Any] = {"arch": arch, "xe": cfg.digest("students.xe"), "loader": cfg.digest("loader"),
                              "seed": cfg.run.seed, "features": feats.digest, "labels": labels.labels_digest,
                              "max_words": cfg.dataset.max_words, "nproc": cfg.students.nproc,
-                             "scst": cfg.digest("students.scst") if scst else None,
+                             # this student's SCST settings: another student's epochs_for entry does not touch it
+                             "scst": json_digest(cfg.students.scst.for_student(name).model_dump(mode="json"))
+                             if scst else None,
                              "evaluation": cfg.digest("evaluation")}
     if name in cfg.students.seqkd_for:
         parts["seqkd"] = kd.labels_digest
@@ -169,7 +172,7 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
         if scst:
             with rc.tracker.run("scst", run, {"capflow.student": name}) as srun:
                 rc.tracker.params(srun, {"scst": cfg.students.scst.model_dump(mode="json"),
-                                         "settings": vars(scst_settings(cfg.students.scst, cfg))})
+                                         "settings": vars(scst_settings(cfg.students.scst, cfg, name))})
                 t1 = time.perf_counter()
                 sres = _train(rc, srun, _spec(data, feats, labels, name, out / "scst", scst_from=final_ckpt), nproc)
                 # best_epoch -1: no SCST epoch beat the XE weights on validation, and they are what goes on

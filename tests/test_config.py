@@ -26,7 +26,7 @@ PRESETS = ["coco", "demo", "learning", "tiny"]
 def get(cfg: BaseModel, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
-        node = getattr(node, part)
+        node = node[part] if isinstance(node, dict) else getattr(node, part)  # a dict-valued setting's entries
     return node
 
 
@@ -346,3 +346,21 @@ def test_scst_batch_size_defaults_to_the_loaders_and_can_be_its_own():
     cfg = load_config("demo", overrides=["loader.batch_size=16", "students.scst.batch_size=40"])
     assert scst_settings(cfg.students.scst, cfg).batch_size == 40
     assert xe_settings(cfg.students.xe, cfg).batch_size == 16
+
+
+def test_scst_epochs_for_names_students_and_overrides_epochs_for_them_only():
+    from captioning.training.recipe import scst_settings
+
+    cfg = load_config("learning")
+    sc = cfg.students.scst
+    assert sc.epochs_for == {"expansionnet": 10} and sc.epochs == 5
+    assert scst_settings(sc, cfg, "expansionnet").epochs == 10
+    assert [scst_settings(sc, cfg, s).epochs for s in ("acort", "lw", "satic", "zodiac", "aic")] == [5] * 5
+    assert scst_settings(sc, cfg).epochs == 5  # no student named: the section's epochs
+    cfg = load_config("demo", overrides=["students.scst.epochs=3", "students.scst.epochs_for.lw-2x=7"])
+    assert scst_settings(cfg.students.scst, cfg, "lw-2x").epochs == 7  # a registry preset name
+    assert scst_settings(cfg.students.scst, cfg, "lw").epochs == 3
+    with pytest.raises(ConfigError, match=r"epochs_for.*unknown student 'expnet'"):
+        load_config("demo", overrides=["students.scst.epochs_for.expnet=3"])
+    with pytest.raises(ConfigError, match="lw: SCST epochs must be >= 1, got 0"):
+        load_config("demo", overrides=["students.scst.epochs_for.lw=0"])

@@ -74,6 +74,27 @@ def test_stage_key_changes_with_every_part_and_the_stage_only():
                 stage_key("seqkd", features="f", labels="l", seed=0)}) == 5
 
 
+def test_a_students_key_moves_with_its_own_scst_epochs_only():
+    """``students.scst.epochs_for`` for one student re-runs that student's stage, not the others'."""
+    from types import SimpleNamespace
+
+    from captioning.config import load_config
+    from tasks.training import student_key
+
+    def key(name, *overrides, scst=True):
+        cfg = load_config("demo", overrides=list(overrides))
+        ref = SimpleNamespace(digest="f", labels_digest="l", checkpoint_digest="t")
+        return student_key(SimpleNamespace(cfg=cfg), name, {"arch": name}, ref, ref, ref, ref, scst)
+
+    longer = "students.scst.epochs_for.expansionnet=9"
+    assert key("lw") == key("lw", longer) and key("lw", scst=False) == key("lw", longer, scst=False)
+    assert key("expansionnet") != key("expansionnet", longer)
+    # an entry that says what `epochs` says is the same SCST, the same key
+    epochs = load_config("demo").students.scst.epochs
+    assert key("expansionnet") == key("expansionnet", f"students.scst.epochs_for.expansionnet={epochs}")
+    assert key("lw") != key("lw", "students.scst.lr=1e-4")
+
+
 def _student(name, cider, params=100, version="1"):
     return StudentResult(student=name, preset=name, run_id="", metrics={"CIDEr": cider}, params=params,
                          latency_ms=1.0, novel_fraction=0.0, avg_length=5.0, unique_fraction=0.5,

@@ -103,7 +103,7 @@ def run_seed(cfg, wd: Path, progress: bool = False) -> dict[str, Any]:
                                   seqkd_source=SEQKD if captions != "ground_truth" else None, init_from=init)
         xe_eval = evaluate(ctx, model, arch_name=name)
         t1 = time.perf_counter()
-        scst_model, scst_res = fit_scst(ctx, res.best_checkpoint, wd / key / "scst")
+        scst_model, scst_res = fit_scst(ctx, res.best_checkpoint, wd / key / "scst", student=name)
         scst_eval = evaluate(ctx, scst_model, arch_name=name)
         out = {"arch": name, "captions": captions, "init": "teacher" if init else "random",
                "init_tensors_loaded": info.get("init_loaded", 0),

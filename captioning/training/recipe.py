@@ -106,10 +106,12 @@ def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None)
                          compile=cfg.run.compile)
 
 
-def scst_settings(scst: SCSTConfig, cfg: PipelineConfig) -> TrainSettings:
+def scst_settings(scst: SCSTConfig, cfg: PipelineConfig, student: str | None = None) -> TrainSettings:
+    """SCST's train settings; ``student`` (a family or registry preset) picks its ``epochs_for`` entry."""
     lo = cfg.loader
-    return TrainSettings(epochs=scst.epochs, batch_size=scst.batch_size or lo.batch_size, schedule="constant",
-                         lr=scst.lr, clip=None, workers=lo.workers, seed=cfg.run.seed + 1, precision=cfg.run.precision,
+    return TrainSettings(epochs=scst.for_student(student).epochs, batch_size=scst.batch_size or lo.batch_size,
+                         schedule="constant", lr=scst.lr, clip=None, workers=lo.workers, seed=cfg.run.seed + 1,
+                         precision=cfg.run.precision,
                          compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else False)
 
 

@@ -155,14 +155,15 @@ def seqkd(ctx: StageContext, teacher: Captioner, name: str) -> SeqKDReport:
 
 def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Path, *,
              settings: TrainSettings | None = None, on_epoch: EpochFn | None = None,
-             stop_after_steps: int | None = None) -> tuple[Captioner, TrainResult]:
+             stop_after_steps: int | None = None, student: str | None = None) -> tuple[Captioner, TrainResult]:
     """SCST fine-tuning starting from ``init_checkpoint`` (the XE best); resumes from ckpt_dir/last.pt.
+    ``student`` names the family for ``students.scst.epochs_for`` (when ``settings`` is not given).
 
     The starting weights are validated first and compete for the best checkpoint (``best_epoch == -1``: no SCST
     epoch beat them on validation, and the returned model is the starting one). The model trains with
     ``students.scst.dropout`` at every dropout site (unset: its XE rates); its checkpoints record that rate."""
     sc = ctx.cfg.students.scst
-    s = settings or scst_settings(sc, ctx.cfg)
+    s = settings or scst_settings(sc, ctx.cfg, student)
     model, _ = load_model(init_checkpoint, device=ctx.device, dropout=sc.dropout)
     codec = codec_for(model, ctx.vocab)
     refs = references(ctx.labels, ctx.vocab, "train").ids
@@ -230,7 +231,7 @@ def _spec_context(cfg: PipelineConfig, spec: TrainSpec, progress: bool) -> Stage
 def _fit(ctx: StageContext, spec: TrainSpec, on_epoch: EpochFn | None) -> tuple[TrainResult, dict[str, Any]]:
     cfg = ctx.cfg
     if spec.scst_from:
-        _, res = fit_scst(ctx, spec.scst_from, spec.out, settings=scst_settings(cfg.students.scst, cfg),
+        _, res = fit_scst(ctx, spec.scst_from, spec.out, settings=scst_settings(cfg.students.scst, cfg, spec.model),
                           on_epoch=on_epoch)
         return res, {}
     from captioning.training.recipe import student_arch, teacher_arch
