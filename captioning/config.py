@@ -100,7 +100,66 @@ class DatasetConfig(Section):
     hash_workers: int = Field(4, ge=1, description="Threads hashing image files for the dataset digest")
 
 
+class BottomUpOptions(Section):
+    """How a bottom-up flavour departs from its reference. Every option unset = the flavour's reference value
+    (the table in the README's "Bottom-up features" section); each one set names a deviation, recorded in the
+    store's attributes and name."""
+
+    stem_pool: Literal["caffe", "detectron2"] | None = Field(
+        None, description="Stem max-pool: caffe = k3 s2 p0 ceil (both ports), detectron2 = k3 s2 p1")
+    res5_dilation: Literal[1, 2] | None = Field(
+        None, description="res5 in the ROI head: 2 = stride 1, dilation 2, a 14x14 map (both ports); 1 = "
+        "detectron2's stride 2, 7x7")
+    pooler: Literal["ROIPool", "ROIAlignV2"] | None = Field(
+        None, description="ROI pooling of the res4 map (14x14 at 1/16): ROIPool (both ports) or ROIAlignV2")
+    pixel_mean: list[float] | None = Field(
+        None, description="BGR pixel mean subtracted from the image; unset = the Visual Genome mean "
+        "[102.9801, 115.9465, 122.7717] of both ports")
+    resize: Literal["detectron2", "caffe"] | None = Field(
+        None, description="detectron2 = PIL bilinear on uint8, per-axis scale, mean subtracted after (airsplay); "
+        "caffe = mean subtracted first, then a float bilinear resize by one im_scale, sizes rounded half to even "
+        "(MILVLG/butd)")
+    proposals_rule: Literal["detectron2", "caffe"] | None = Field(
+        None, description="RPN decoding and filtering: detectron2 (airsplay) or caffe = '+1' box coder, clip to "
+        "w-1, minimum side before the top-k, '+1' NMS (MILVLG/butd)")
+    rpn_nms_inclusive: bool | None = Field(
+        None, description="caffe proposals_rule: suppress at IoU >= threshold (MILVLG's kernel) instead of >")
+    rpn_min_size: float | None = Field(
+        None, description="caffe proposals_rule: drop proposals whose side + 1 is not above this x im_scale "
+        "(MILVLG: 16)")
+    selection_iou: Literal["butd", "resized"] | None = Field(
+        None, description="Per-class NMS IoU of the box selection: butd = '+1' widths on original-pixel boxes "
+        "(both flavours); resized = capflow's stock rule (no +1, resized-image boxes)")
+    selection_nms_inclusive: bool | None = Field(
+        None, description="Selection NMS suppresses at IoU >= nms_threshold (MILVLG's kernel) instead of > (butd)")
+    conf_inclusive: bool | None = Field(
+        None, description="Keep boxes whose score is >= conf_threshold (butd) instead of >")
+    order: Literal["butd", "score"] | None = Field(
+        None, description="Order of the kept boxes: butd = proposal order when min_boxes <= n <= max_boxes, by "
+        "score when clamped; score = by score always")
+    attributes: bool | None = Field(
+        None, description="Store object ids/confidences and, where the checkpoint has the attribute head, "
+        "attribute ids/confidences beside the features (unset: on)")
+
+
 class ExtractorConfig(Section):
+    flavour: Literal["stock", "airsplay", "milvlg"] = Field(
+        "stock", description="stock = a detectron2 C4 model from model_config_file; airsplay / milvlg = the "
+        "Visual Genome bottom-up detector exactly as that public port computes it, from the port's own weights "
+        "file (layout checked)")
+    bottom_up: BottomUpOptions = Field(
+        default_factory=BottomUpOptions, description="Deviations from the flavour's reference (bottom-up flavours)")
+
+    @field_validator("bottom_up")
+    @classmethod
+    def _bottom_up_needs_a_flavour(cls, v: BottomUpOptions, info: ValidationInfo) -> BottomUpOptions:
+        if info.data.get("flavour", "stock") == "stock":
+            given = sorted(k for k, val in v.model_dump().items() if val is not None)
+            if given:
+                raise ValueError(f"bottom_up.{', bottom_up.'.join(given)} apply to the bottom-up flavours only "
+                                 "(features.extractor.flavour: airsplay or milvlg); the stock flavour ignores "
+                                 "nothing silently")
+        return v
     model_config_file: str = Field(
         "COCO-Detection/faster_rcnn_R_101_C4_3x.yaml",
         description="detectron2 model-zoo config (or YAML path) of the C4 Faster R-CNN",

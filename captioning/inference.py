@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from captioning.config import FeaturesConfig
 from captioning.data.loader import MemoryFeatures
 from captioning.data.text import Vocabulary
-from captioning.features.extractor import RegionExtractor, Regions
+from captioning.features.extractor import Regions, make_extractor
 from captioning.features.images import ImageRejected, load_rgb
 from captioning.metrics.evaluation import predict
 from captioning.models.encoder_decoder import ArchConfig
@@ -189,8 +189,8 @@ class ImageCaptioner:
         ex = f.extractor.model_copy(update={"device": str(self.device),
                                             "weights": detector_weights(self.files, f)})
         try:
-            self.extractor = RegionExtractor(ex, min_boxes=f.min_boxes, max_boxes=f.max_boxes,
-                                             feature_dim=f.feature_dim, cache_dir=cache_dir)
+            self.extractor = make_extractor(ex, min_boxes=f.min_boxes, max_boxes=f.max_boxes,
+                                           feature_dim=f.feature_dim, cache_dir=cache_dir)
         except (OSError, ValueError) as e:
             raise CaptionerError(f"cannot build the region extractor the model was trained with "
                                  f"({self.files.meta} features.extractor): {e}") from None

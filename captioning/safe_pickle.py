@@ -147,12 +147,12 @@ def load_detectron2_pkl(path: str | Path) -> dict[str, Any]:
     data = safe_load(path)
     if not isinstance(data, dict):
         raise UnsafePickleError(f"{origin}: expected a dict of weights, got {type(data).__name__}")
-    if "model" in data and "__author__" in data:  # detectron2 model-zoo format
+    if "model" in data and ("__author__" in data or isinstance(data["model"], dict)):  # detectron2 model-zoo format
         if not isinstance(data["model"], dict):
             raise UnsafePickleError(f"{origin}: 'model' is a {type(data['model']).__name__}, not a dict of weights")
         out = {k: v for k, v in data.items() if k != "model" and isinstance(k, str)}
         out["model"] = _tensors(data["model"], origin)
-        out["__author__"] = str(data["__author__"])
+        out["__author__"] = str(data.get("__author__", "unknown"))
         return out
     blobs = data.get("blobs", data)  # Caffe2 / Detectron1 (detection models keep their weights under "blobs")
     if not isinstance(blobs, dict):

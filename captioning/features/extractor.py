@@ -103,6 +103,9 @@ class Regions:
     boxes: np.ndarray  # (n, 4) float32, x1, y1, x2, y2 divided by the original width/height, in [0, 1]
     scores: np.ndarray  # (n,) float32, best class confidence
     image_size: tuple[int, int]  # (height, width) of the original image
+    # bottom-up flavours: per kept box, the box in original-image pixels, the object class (foreground index,
+    # 0-based) and its probability, the attribute class (0-based, "no attribute" excluded) and its probability
+    extras: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return int(self.features.shape[0])
@@ -215,6 +218,28 @@ def resolve_weights(uri: str, sha256: str | None, cache_dir: Path) -> Path:
     expected and the actual hash.
     """
     return _resolve(uri, sha256, Path(cache_dir))[0]
+
+
+# Keys of the ports' detectron2 configs that stock detectron2 does not have (airsplay's fork; MILVLG's BUA)
+BOTTOM_UP_YAML_KEYS = {"MODEL.CAFFE_MAXPOOL", "MODEL.PROPOSAL_GENERATOR.HID_CHANNELS", "MODEL.ROI_BOX_HEAD.RES5HALVE",
+                       "MODEL.ROI_BOX_HEAD.ATTR", "MODEL.ROI_BOX_HEAD.NUM_ATTRS", "MODEL.BUA",
+                       "MODEL.RESNETS.RES5_DILATION"}
+
+
+def unknown_config_keys(base, loaded: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of ``loaded`` (a YAML mapping) that the detectron2 config ``base`` does not have."""
+    out: list[str] = []
+    if not isinstance(loaded, dict):
+        return out
+    for k, v in loaded.items():
+        if k == "_BASE_" and not prefix:
+            continue
+        name = f"{prefix}{k}"
+        if not isinstance(base, dict) or k not in base:
+            out.append(name)
+        elif isinstance(v, dict):
+            out.extend(unknown_config_keys(base[k], v, name + "."))
+    return sorted(out)
 
 
 def _find_key(state: dict[str, Any], exact: str, c2: str, suffix: str) -> str | None:
@@ -361,10 +386,7 @@ class RegionExtractor:
             self.weights_digest, self.weights_path = digest, path
             checkpoint = _read_checkpoint(path)
 
-        self.detectron2_cfg = self._build_cfg(checkpoint)
-        self.num_classes = int(self.detectron2_cfg.MODEL.ROI_HEADS.NUM_CLASSES)
-        self.model = self._build_model(checkpoint)
-        self.input_format = self.detectron2_cfg.INPUT.FORMAT
+        self._setup(checkpoint)
         if self.random_init:
             self._warn(RANDOM_WEIGHTS_WARNING)
 
@@ -373,6 +395,13 @@ class RegionExtractor:
         self.warnings.append(msg)
         log.warning(msg)
 
+    def _setup(self, checkpoint: dict[str, Any] | None) -> None:
+        """Build the model (and its settings) from the checkpoint, if any."""
+        self.detectron2_cfg = self._build_cfg(checkpoint)
+        self.num_classes = int(self.detectron2_cfg.MODEL.ROI_HEADS.NUM_CLASSES)
+        self.model = self._build_model(checkpoint)
+        self.input_format = self.detectron2_cfg.INPUT.FORMAT
+
     def _build_cfg(self, checkpoint: dict[str, Any] | None):
         from detectron2 import model_zoo
         from detectron2.config import get_cfg
@@ -380,18 +409,22 @@ class RegionExtractor:
 
         c = self.cfg
         d2 = get_cfg()
-        d2.set_new_allowed(True)  # configs of derived projects carry extra keys; they are ignored
         src = Path(c.model_config_file).expanduser()
-        if src.is_file():
-            d2.merge_from_file(str(src))
-        else:
+        if not src.is_file():
             try:
-                d2.merge_from_file(model_zoo.get_config_file(c.model_config_file))
+                src = Path(model_zoo.get_config_file(c.model_config_file))
             except RuntimeError as e:
                 raise ValueError(
                     f"extractor model_config_file {c.model_config_file!r} is neither a file nor a detectron2 "
                     f"model-zoo config: {e}"
                 ) from None
+        unknown = unknown_config_keys(d2, d2.load_yaml_with_base(str(src), allow_unsafe=False))
+        if unknown:
+            raise ValueError(f"{c.model_config_file}: detectron2 config keys capflow does not know: {unknown}"
+                             + ("; these are a bottom-up port's keys: use features.extractor.flavour: airsplay "
+                                "or milvlg (no YAML)" if set(unknown) & BOTTOM_UP_YAML_KEYS else "")
+                             + " (a key that is not understood is never ignored)")
+        d2.merge_from_file(str(src))
         if d2.MODEL.ROI_HEADS.NAME not in ROI_HEADS_REGISTRY:
             self._warn(f"ROI heads {d2.MODEL.ROI_HEADS.NAME!r} unknown to detectron2; using Res5ROIHeads")
             d2.MODEL.ROI_HEADS.NAME = "Res5ROIHeads"
@@ -478,6 +511,8 @@ class RegionExtractor:
         from detectron2.checkpoint import DetectionCheckpointer
 
         dropped_bbox = checkpoint.pop("_dropped_bbox_pred", False)
+        self._refuse_bottom_up(checkpoint["model"])
+        self._check_anchors(model, checkpoint["model"])
         ckpt = DetectionCheckpointer(model)
         inc = ckpt._load_model(checkpoint)
         if inc.incorrect_shapes:
@@ -492,14 +527,40 @@ class RegionExtractor:
                 f"detector weights {self.weights_path} lack {len(missing)} tensors of "
                 f"{self.cfg.model_config_file}, e.g. {missing[:4]}: wrong model_config_file for these weights?"
             )
-        attr = [k for k in inc.unexpected_keys if "attr" in k.lower()]
-        other = [k for k in inc.unexpected_keys if "attr" not in k.lower()]
-        if attr:
-            log.info("ignoring the checkpoint's attribute head (%d tensors): attributes are not needed for "
-                     "features", len(attr))
-        if other:
-            self._warn(f"detector weights {self.weights_path}: {len(other)} tensors not used by the model, "
-                       f"e.g. {other[:4]}")
+        unused = sorted(k for k in inc.unexpected_keys if ".cell_anchors." not in k)
+        if unused:
+            raise ValueError(f"detector weights {self.weights_path}: {len(unused)} tensors the model of "
+                             f"{self.cfg.model_config_file} does not use: {unused[:8]} (a different function "
+                             "would be computed silently: refused)")
+
+    def _refuse_bottom_up(self, state: dict[str, Any]) -> None:
+        """A bottom-up port's checkpoint given to the stock flavour: refused, naming the flavour to use."""
+        from captioning.features.bottom_up import LayoutError, recognise_layout
+
+        try:
+            layout = recognise_layout(state)
+        except LayoutError:
+            return
+        # the stock C4 layout shares airsplay's names: only a port's own marks decide (its attribute head, Caffe
+        # objectness pairs, or the VG detector's 1600 classes behind a 512-channel RPN)
+        if not (layout.attributes or layout.objectness == "softmax2"
+                or (layout.num_classes == 1600 and layout.rpn_hidden == 512)):
+            return
+        raise ValueError(f"detector weights {self.weights_path} are the {layout.port} bottom-up layout "
+                         f"({layout.describe()}): set features.extractor.flavour: {layout.port}")
+
+    def _check_anchors(self, model, state: dict[str, Any]) -> None:
+        """Anchors stored in the checkpoint (dropped by detectron2 0.6 on load) must equal the config's."""
+        gen = getattr(getattr(model, "proposal_generator", None), "anchor_generator", None)
+        for k in [k for k in state if ".anchor_generator.cell_anchors." in k]:
+            level = int(k.rsplit(".", 1)[1])
+            cells = list(gen.cell_anchors.buffers()) if gen is not None else []  # detectron2's BufferList
+            have = cells[level].detach().cpu() if level < len(cells) else None
+            stored = torch.as_tensor(state[k]).float()
+            if have is None or have.shape != stored.shape or not torch.allclose(have, stored, rtol=0, atol=1e-4):
+                raise ValueError(f"detector weights {self.weights_path}: stored anchors {k} {stored.tolist()} differ "
+                                 f"from the anchors of {self.cfg.model_config_file} "
+                                 f"({None if have is None else have.tolist()}): refused")
 
     # ------------------------------------------------------------------ preprocessing (CPU, thread-safe)
     def _resized_shape(self, image: np.ndarray) -> tuple[int, int]:
@@ -942,3 +1003,12 @@ class RegionExtractor:
             "torch_version": torch.__version__,
             "warnings": list(self.warnings),
         }
+
+
+def make_extractor(cfg: ExtractorConfig, **kwargs: Any) -> RegionExtractor:
+    """The extractor of ``cfg.flavour``: the stock detectron2 model, or a bottom-up port's exact pipeline."""
+    if cfg.flavour == "stock":
+        return RegionExtractor(cfg, **kwargs)
+    from captioning.features.bottom_up_extractor import BottomUpExtractor
+
+    return BottomUpExtractor(cfg, **kwargs)

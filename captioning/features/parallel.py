@@ -115,7 +115,7 @@ def _extractor(ex_json: str, min_boxes: int, max_boxes: int, feature_dim: int, t
     if key not in _MODELS:
         import torch
 
-        from captioning.features.extractor import RegionExtractor
+        from captioning.features.extractor import make_extractor
 
         if threads:
             torch.set_num_threads(threads)
@@ -123,7 +123,7 @@ def _extractor(ex_json: str, min_boxes: int, max_boxes: int, feature_dim: int, t
         if ex.device == "auto" and torch.cuda.is_available():
             ex = ex.model_copy(update={"device": f"cuda:{_worker_index() % torch.cuda.device_count()}"})
         _MODELS.clear()  # one model per process
-        _MODELS[key] = RegionExtractor(ex, min_boxes=min_boxes, max_boxes=max_boxes, feature_dim=feature_dim,
+        _MODELS[key] = make_extractor(ex, min_boxes=min_boxes, max_boxes=max_boxes, feature_dim=feature_dim,
                                        cache_dir=Path(cache_dir) if cache_dir else None)
     return _MODELS[key]
 

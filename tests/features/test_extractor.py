@@ -291,20 +291,54 @@ def test_checkpoint_class_count(extractor, images, tmp_path):
     assert len(r) >= 10 and np.all(np.isfinite(r.features))
 
 
-def test_pkl_checkpoint_with_attribute_head(extractor, images, regions, tmp_path, caplog):
-    """detectron2 model-zoo .pkl layout; a VG-style attribute head and a Caffe-style box regressor are ignored."""
+def test_pkl_checkpoint_with_caffe_box_regressor(extractor, images, regions, tmp_path):
+    """detectron2 model-zoo .pkl layout; a Caffe-style box regressor (background row) is not used."""
     sd = {k: v.numpy().copy() for k, v in extractor.model.state_dict().items()}
-    sd["roi_heads.attribute_predictor.attr_linear1.weight"] = np.zeros((512, 2048), dtype=np.float32)
     sd["roi_heads.box_predictor.bbox_pred.weight"] = np.zeros((81 * 4, 2048), dtype=np.float32)
     sd["roi_heads.box_predictor.bbox_pred.bias"] = np.zeros(81 * 4, dtype=np.float32)
     path = tmp_path / "zoo.pkl"
     with open(path, "wb") as f:
         pickle.dump({"model": sd, "__author__": "capflow tests"}, f)
-    with caplog.at_level(logging.INFO, logger="captioning.features.extractor"):
-        ex = RegionExtractor(_cfg(weights=str(path)))
+    ex = RegionExtractor(_cfg(weights=str(path)))
     assert ex.num_classes == 80 and ex.warnings == []
-    assert any("attribute head" in r.getMessage() for r in caplog.records)
     assert _same(ex(images[:2]), regions[:2])  # regressed boxes are never used
+
+
+def test_checkpoint_tensor_the_model_does_not_use_is_refused(extractor, tmp_path):
+    """An extra tensor (e.g. an attribute head) would mean the checkpoint's function is not the one computed."""
+    sd = {k: v.numpy().copy() for k, v in extractor.model.state_dict().items()}
+    sd["roi_heads.attribute_predictor.attr_linear1.weight"] = np.zeros((512, 2048), dtype=np.float32)
+    path = tmp_path / "zoo.pkl"
+    with open(path, "wb") as f:
+        pickle.dump({"model": sd, "__author__": "capflow tests"}, f)
+    with pytest.raises(ValueError, match=r"1 tensors the model .* does not use: \['roi_heads.attribute_predictor"):
+        RegionExtractor(_cfg(weights=str(path)))
+
+
+def test_checkpoint_anchors_must_equal_the_configs(extractor, tmp_path):
+    sd = {k: v.clone() for k, v in extractor.model.state_dict().items()}
+    cell = next(extractor.model.proposal_generator.anchor_generator.cell_anchors.buffers()).clone()
+    sd["proposal_generator.anchor_generator.cell_anchors.0"] = cell
+    torch.save({"model": sd}, tmp_path / "same.pth")
+    RegionExtractor(_cfg(weights=str(tmp_path / "same.pth")))  # equal: loads
+    sd["proposal_generator.anchor_generator.cell_anchors.0"] = cell + 1.0
+    torch.save({"model": sd}, tmp_path / "shifted.pth")
+    with pytest.raises(ValueError, match="stored anchors .* differ"):
+        RegionExtractor(_cfg(weights=str(tmp_path / "shifted.pth")))
+
+
+def test_unknown_yaml_keys_are_refused(tmp_path):
+    """A hand-written YAML with a bottom-up port's keys: never accepted and ignored."""
+    yaml_file = tmp_path / "vg.yaml"
+    yaml_file.write_text("MODEL:\n  CAFFE_MAXPOOL: True\n  PROPOSAL_GENERATOR:\n    HID_CHANNELS: 512\n"
+                         "  ROI_BOX_HEAD:\n    RES5HALVE: False\n    ATTR: True\n    POOLER_TYPE: ROIPool\n")
+    with pytest.raises(ValueError) as info:
+        RegionExtractor(_cfg(model_config_file=str(yaml_file)))
+    msg = str(info.value)
+    for key in ("MODEL.CAFFE_MAXPOOL", "MODEL.PROPOSAL_GENERATOR.HID_CHANNELS", "MODEL.ROI_BOX_HEAD.RES5HALVE",
+                "MODEL.ROI_BOX_HEAD.ATTR"):
+        assert key in msg
+    assert "flavour" in msg and "MODEL.ROI_BOX_HEAD.POOLER_TYPE" not in msg
 
 
 def test_checkpoint_missing_tensors_is_an_error(extractor, tmp_path):
