@@ -291,8 +291,8 @@ def effective_config(cfg: ExtractorConfig) -> ExtractorConfig:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     defaults = GPU_DEFAULTS if kind == "cuda" else CPU_DEFAULTS
     update = {}
-    if cfg.batching == "auto":
-        update["batching"] = defaults["batching"]
+    if cfg.batching == "auto":  # the bottom-up references pad nothing: exact batches on every device
+        update["batching"] = defaults["batching"] if cfg.flavour == "stock" else "exact"
     if cfg.batch_size is None:
         update["batch_size"] = defaults["batch_size"]
     if cfg.amp is None:

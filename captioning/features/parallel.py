@@ -68,6 +68,13 @@ def store_key(f: FeaturesConfig) -> str:
         ex.pop("batching")
     if not ex["amp"] or ex["amp_dtype"] == "float16":
         ex.pop("amp_dtype")
+    if ex.pop("flavour") != "stock":  # bottom-up flavours: named by the flavour and its deviations only
+        from captioning.features.bottom_up import deviations
+
+        ex["flavour"] = f.extractor.flavour
+        ex["bottom_up"] = deviations(f.extractor.flavour, f.extractor.bottom_up)
+    else:
+        ex.pop("bottom_up")
     ex["weights"] = weights_identity(f.extractor)
     ident = {
         "format": STORE_FORMAT,

@@ -12,7 +12,8 @@ PINNED = [
     # the demo preset's extraction settings of that commit (it now keeps 12 proposals and at most 12 boxes)
     ("demo", ["features.extractor.device=cpu", "features.extractor.proposals=50", "features.max_boxes=16"],
      "cdbb4c7ce7f6bd36"),
-    ("coco", ["features.extractor.weights=null", "features.extractor.device=cpu"], "673c6ead24faa951"),
+    ("coco", ["features.extractor.weights=null", "features.extractor.device=cpu", "features.extractor.flavour=stock"],
+     "673c6ead24faa951"),
     (None, ["features.extractor.amp=true", "features.extractor.device=cpu"], "e1fdd7937bcf0c6d"),
 ]
 
@@ -37,3 +38,20 @@ def test_overlap_settings_do_not_name_the_store_but_numeric_ones_do():
     bf16 = ["features.extractor.device=cpu", "features.extractor.amp=true"]
     assert store_key(load_config("demo", overrides=[*bf16, "features.extractor.amp_dtype=bfloat16"]).features) != \
         store_key(load_config("demo", overrides=bf16).features)
+
+
+def test_bottom_up_stores_are_named_by_flavour_and_deviations():
+    base = ["features.extractor.device=cpu", "features.extractor.weights=null"]
+    k = store_key(load_config("coco", overrides=base).features)
+    assert k != store_key(load_config("coco", overrides=[*base, "features.extractor.flavour=airsplay"]).features)
+    assert k != store_key(load_config("coco", overrides=[*base, "features.extractor.flavour=stock"]).features)
+    # an option set to the flavour's reference value computes the same numbers: the same store
+    same = "features.extractor.bottom_up.pooler=ROIPool"
+    assert store_key(load_config("coco", overrides=[*base, same]).features) == k
+    other = "features.extractor.bottom_up.pooler=ROIAlignV2"
+    assert store_key(load_config("coco", overrides=[*base, other]).features) != k
+    # CUDA keeps exact batches for the bottom-up flavours (the references pad nothing)
+    from captioning.features.extractor import effective_config
+
+    cuda = load_config("coco", overrides=["features.extractor.device=cuda"]).features.extractor
+    assert effective_config(cuda).batching == "exact"
