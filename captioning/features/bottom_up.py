@@ -16,7 +16,8 @@ Two flavours, one per reference, each read from that port's own weights file:
   ``cls_embed`` / ``attr_linear1`` / ``attr_linear2``.
 
 Both select boxes by butd's rule (``tools/generate_tsv.py``): for every class, greedy NMS over the proposals
-mapped to original-image pixels ("+1" IoU, suppress when IoU > 0.3; MILVLG's kernel: >=); a proposal's score is
+mapped to original-image pixels ("+1" IoU, suppress when IoU >= 0.3: butd's configured CPU kernel
+``cpu_nms.pyx``, and MILVLG's); a proposal's score is
 its best surviving class probability; keep scores >= 0.2, at least 10 and at most 100 boxes; the kept boxes in
 proposal order when 10 <= n <= 100, by score when clamped (exact ties: lower proposal index first). Every
 difference from a reference is an option (:class:`captioning.config.BottomUpOptions`).
@@ -56,7 +57,7 @@ POOL = 14  # ROI pooling resolution
 REFERENCE: dict[str, dict[str, Any]] = {
     "airsplay": dict(stem_pool="caffe", res5_dilation=2, pooler="ROIPool", pixel_mean=list(VG_PIXEL_MEAN),
                      resize="detectron2", proposals_rule="detectron2", rpn_nms_inclusive=False, rpn_min_size=0.0,
-                     selection_iou="butd", selection_nms_inclusive=False, conf_inclusive=True, order="butd",
+                     selection_iou="butd", selection_nms_inclusive=True, conf_inclusive=True, order="butd",
                      attributes=True),
     "milvlg": dict(stem_pool="caffe", res5_dilation=2, pooler="ROIPool", pixel_mean=list(VG_PIXEL_MEAN),
                    resize="caffe", proposals_rule="caffe", rpn_nms_inclusive=True, rpn_min_size=16.0,
@@ -607,6 +608,7 @@ class BottomUpStages:
             src = boxes_resized if boxes_resized is not None else boxes_px
             b = torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32))
             iou = box_iou(b, b).numpy()
+        iou = iou.astype(np.float64)  # the kernels compare their float IoU with a double threshold
         over = iou >= nms_threshold if self.opts["selection_nms_inclusive"] else iou > nms_threshold
         np.fill_diagonal(over, False)
         max_conf = nms_max_conf_batched([over], [np.ascontiguousarray(fg, dtype=np.float32)])[0]

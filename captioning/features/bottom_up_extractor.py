@@ -175,7 +175,10 @@ class BottomUpExtractor(RegionExtractor):
             extras["object_id"] = fg.argmax(axis=1).astype(np.int32)
             extras["object_conf"] = fg.max(axis=1).astype(np.float32)
             if attr is not None:
-                a = attr[keep][:, 1:] if self.layout.background == 0 else attr[keep][:, :-1]
+                if self.layout.background == 0:  # MILVLG: the 401-way probability ("no attribute" first)
+                    a = attr[keep][:, 1:]
+                else:  # airsplay's notebook: a softmax over the 400 attributes ("no attribute", last, left out)
+                    a = attr[keep][:, :-1] / np.maximum(1.0 - attr[keep][:, -1:], np.finfo(np.float32).tiny)
                 extras["attr_id"] = a.argmax(axis=1).astype(np.int32)
                 extras["attr_conf"] = a.max(axis=1).astype(np.float32)
         if self.profile is not None:

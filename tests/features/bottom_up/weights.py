@@ -59,6 +59,10 @@ def _draw(name: str, shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarra
     elif last == "weight" and len(shape) >= 2:  # convolutions and linears: He-normal
         fan_in = int(np.prod(shape[1:]))
         v = rng.normal(0.0, np.sqrt(2.0 / fan_in), shape)
+        if name.endswith("stem.conv1.weight"):
+            # the input is raw mean-subtracted pixels (|x| ~ 60, std 1 in both ports): without this the whole
+            # network saturates (class softmaxes of exactly 0 and 1, ties everywhere in the selection)
+            v = v / 64.0
     else:  # other biases
         v = rng.normal(0.0, 0.01, shape)
     return v.astype(dtype)
