@@ -310,8 +310,9 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-extract-gpu-") as tmp:
         root = Path(tmp)
+        # the stock detectron2 model (the bottom-up flavours' cost: capflow bench heads)
         cfg = load_config(preset, overrides=["features.extractor.weights=null", f"features.extractor.device={device}",
-                                             *overrides, f"run.workdir={root}"])
+                                             "features.extractor.flavour=stock", *overrides, f"run.workdir={root}"])
         f = cfg.features
         ds = _gpu_dataset(root / "data", images, images_dir, cfg.run.seed)
         rows = []

@@ -352,6 +352,9 @@ class RegionExtractor:
             raise ValueError(f"need 1 <= min_boxes <= max_boxes, got min_boxes={min_boxes}, max_boxes={max_boxes}")
         if cfg.fixed_boxes is not None and cfg.fixed_boxes > max_boxes:
             raise ValueError(f"fixed_boxes={cfg.fixed_boxes} exceeds max_boxes={max_boxes}")
+        if cfg.flavour != "stock" and type(self) is RegionExtractor:
+            raise ValueError(f"features.extractor.flavour is {cfg.flavour!r}: build the extractor with "
+                             "make_extractor (RegionExtractor is the stock detectron2 model)")
         self.cfg = cfg = effective_config(cfg)
         self.min_boxes, self.max_boxes, self.feature_dim = min_boxes, max_boxes, feature_dim
         self.device = _torch_device(cfg.device)

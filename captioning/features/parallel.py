@@ -29,7 +29,7 @@ import numpy as np
 
 from captioning.config import ExtractorConfig, FeaturesConfig, PipelineConfig
 from captioning.data.karpathy import Dataset
-from captioning.data.stores import OK, PENDING, REJECTED, FeatureStore, StoreError
+from captioning.data.stores import EXTRAS, OK, PENDING, REJECTED, FeatureStore, StoreError
 from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,17 @@ def store_key(f: FeaturesConfig) -> str:
         "compressor": f.compressor,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def store_extras(f: FeaturesConfig) -> tuple[str, ...]:
+    """The optional per-region arrays a store of these settings holds: boxes in original pixels, object and
+    attribute ids and confidences for the bottom-up flavours (attributes stay empty, -1, when the checkpoint
+    has no attribute head); none for the stock flavour."""
+    if f.extractor.flavour == "stock":
+        return ()
+    if f.extractor.bottom_up.attributes is False:
+        return ("boxes_px",)
+    return ("object_id", "object_conf", "attr_id", "attr_conf", "boxes_px")
 
 
 def store_uri(cfg: PipelineConfig) -> str:
@@ -172,6 +183,7 @@ class _ChunkWork:
     reasons: list[str]
     todo: int
     t0: float
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # the store's optional per-region arrays
 
 
 def _open_chunk(store: FeatureStore, chunk: int, items: Sequence[tuple[int, str]]) -> _ChunkWork | None:
@@ -195,7 +207,11 @@ def _open_chunk(store: FeatureStore, chunk: int, items: Sequence[tuple[int, str]
     # pending rows start from nothing (a killed writer may have left partial data there)
     feats[pending], boxes[pending], nb[pending], size[pending] = 0, 0, 0, -1
     reasons = [r if not p else "" for r, p in zip(reasons, pending, strict=True)]
-    return _ChunkWork(chunk, start, pending, feats, boxes, nb, size, status, reasons, int(pending.sum()), t0)
+    extras = {k: v.copy() for k, v in old.extras.items()}
+    for k, v in extras.items():
+        v[pending] = EXTRAS[k][2]
+    return _ChunkWork(chunk, start, pending, feats, boxes, nb, size, status, reasons, int(pending.sum()), t0,
+                      extras)
 
 
 def _put(w: _ChunkWork, k: int, r: Any, min_boxes: int, f16: bool) -> None:
@@ -223,11 +239,15 @@ def _put(w: _ChunkWork, k: int, r: Any, min_boxes: int, f16: bool) -> None:
     w.feats[k, :m] = r.features
     w.boxes[k, :m] = r.boxes
     w.nb[k] = m
+    for name, arr in w.extras.items():  # arrays the extractor does not give (e.g. no attribute head) stay empty
+        if r.extras and name in r.extras:
+            arr[k, :m] = r.extras[name]
 
 
 def _write_chunk(store: FeatureStore, w: _ChunkWork, n_items: int) -> ChunkResult:
+    # status last: a row is ok only once its data is stored
     store.write_rows(w.start, features=w.feats, boxes=w.boxes, num_boxes=w.nb, image_size=w.size, status=w.status,
-                     reject_reason=w.reasons)  # status last: a row is ok only once its data is stored
+                     reject_reason=w.reasons, extras=w.extras or None)
     new_ok = w.pending & (w.status == OK)
     done = int(w.pending.sum())
     return ChunkResult(w.chunk, done, int(new_ok.sum()), done - int(new_ok.sum()), time.perf_counter() - w.t0,
@@ -325,10 +345,17 @@ def prepare_store(cfg: PipelineConfig, ds: Dataset, uri: str | None = None, desc
     if f.extractor.weights is None:
         attrs["warning"] = ("features extracted with RANDOM detector weights (no features.extractor.weights): "
                             "fine for tests and the demo's plumbing, meaningless for real captioning")
+    if f.extractor.flavour != "stock":
+        from captioning.features.bottom_up import deviations, resolved_options
+
+        attrs["bottom_up"] = {"flavour": f.extractor.flavour,
+                              "options": resolved_options(f.extractor.flavour, f.extractor.bottom_up),
+                              "deviations": deviations(f.extractor.flavour, f.extractor.bottom_up)}
     if describe:
         attrs["extractor_runtime"] = describe
     store = FeatureStore.create(uri, ids, max_boxes=f.max_boxes, feature_dim=f.feature_dim,
-                                chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor, attrs=attrs)
+                                chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor, attrs=attrs,
+                                extras=store_extras(f))
     return store, len(ids)
 
 

@@ -30,6 +30,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             result = run_extract(images=args.images or 48, preset=args.preset or "demo",
                                  overrides=tuple(args.overrides), threads=args.threads or 1, workdir=args.tmp)
+    elif args.name == "heads":
+        from captioning.bench.heads import run as run_heads
+
+        result = run_heads(images=args.images or 2, proposals=args.proposals, min_size=args.min_size,
+                           device=args.device, threads=args.threads)
     elif args.name == "cider":
         from captioning.bench.cider import run as run_cider
 
@@ -61,6 +66,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CLIError("--threads must be >= 1")
         result = run_learning(preset=args.preset or "learning", overrides=tuple(args.overrides), workdir=args.tmp,
                               progress=not args.json, seeds=args.seeds, threads=args.threads)
+    elif args.name == "import":
+        from captioning.bench.imports import run as run_import
+
+        try:
+            rows = tuple(int(r) for r in (args.rows or "10000,100000").split(","))
+        except ValueError:
+            raise CLIError(f"--rows takes comma-separated row counts, not {args.rows!r}") from None
+        if min(rows) < 1 or args.dim < 1:
+            raise CLIError("--rows and --dim must be positive")
+        result = run_import(rows=rows, dim=args.dim, boxes=min(36, args.max_boxes), chunk_rows=args.chunk_rows,
+                            bad_every=args.bad_every, workdir=args.tmp)
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
@@ -77,12 +93,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
-    b.add_argument("name", choices=["loader", "extract", "decode", "cider", "learning", "train"],
+    b.add_argument("name", choices=["loader", "extract", "heads", "decode", "cider", "learning", "train",
+                                       "import"],
                    help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
+                   "heads: the bottom-up flavours' detector cost vs the stock detectron2 C4 model; "
                    "decode: greedy latency/throughput of every architecture vs AIC; "
                    "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs; "
                    "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline; "
-                   "train: XE/SCST images/s of every family at paper size, fast path vs fp32 eager")
+                   "train: XE/SCST images/s of every family at paper size, fast path vs fp32 eager; "
+                   "import: a synthetic butd TSV imported at several row counts, time and peak memory per count")
     b.add_argument("--external", help="cider: folder of the external COCO material (default: $CAPFLOW_EXTERNAL)")
     b.add_argument("--device", default="cpu", help="decode, train: torch device (cpu, cuda); extract: cuda runs "
                    "the GPU benchmark (coco settings, image files -> Zarr, vs the reference path)")
@@ -98,6 +117,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "threads and CPU capability (README, 'What reproduces where')")
     b.add_argument("--seeds", type=int, default=3, help="learning: full runs with seeds 0..N-1 added to the preset's "
                    "(default 3); every number as mean and sd, ratios on the means, claims counted per seed")
+    b.add_argument("--proposals", type=int, default=100, help="heads: ROI-head boxes per image (default 100)")
+    b.add_argument("--min-size", type=int, default=600, help="heads: short image side at inference (default 600)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48)")
     b.add_argument("--batch-size", type=int, help="images per batch (loader, cider; default 50)")
@@ -106,6 +127,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     b.add_argument("--repeats", type=int, help="timed passes (loader default 2, decode default 5)")
     b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
+    b.add_argument("--rows", help="import: comma-separated TSV row counts, each imported in a fresh process "
+                   "(default 10000,100000)")
+    b.add_argument("--dim", type=int, default=16, help="import: feature width of the synthetic records (default 16; "
+                   "36 regions per record, or --max-boxes if smaller)")
+    b.add_argument("--bad-every", type=int, default=1000, help="import: every N-th record has a corrupt features "
+                   "field, to be counted as a reject (default 1000; 0 = none)")
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
     b.add_argument("--quick", action="store_true", help="train: small models and batches (a quick CPU check)")
     b.add_argument("--compile", action="store_true", help="train: add torch.compile'd XE rows")

@@ -139,3 +139,50 @@ def test_end_to_end(port, external):
         assert r.extras["attr_id"].tolist() == port[f"img{i}_attrs_t02"].tolist()
         H, W = (int(v) for v in port[f"img{i}_image_size"])
         close(r.boxes, port[f"img{i}_boxes_t02"] / np.array([W, H, W, H]), f"image {i} relative boxes")
+
+
+def test_extract_into_a_store_and_resume(port, external, tmp_path):
+    """``capflow extract``'s path: the store holds the reference's kept features, boxes (relative and in
+    pixels), objects and attributes; a second run finds every chunk done."""
+    import json
+    import shutil
+
+    from captioning.config import load_config
+    from captioning.data.karpathy import read_karpathy
+    from captioning.data.stores import OK, FeatureStore
+    from captioning.features.parallel import extract_features
+
+    img_dir = tmp_path / "images"
+    img_dir.mkdir()
+    entries = []
+    for i in range(port.n):
+        name = str(port[f"img{i}_name"])
+        shutil.copy(external / "images" / name, img_dir / name)
+        entries.append({"filepath": "", "filename": name, "imgid": i, "cocoid": 100 + i, "split": "train",
+                        "sentences": [{"raw": "a photo", "sentid": i}]})
+    ann = tmp_path / "dataset.json"
+    ann.write_text(json.dumps({"images": entries}))
+    ds = read_karpathy(ann, img_dir, image_check="none", max_reject_fraction=1.0)
+    cfg = load_config("coco", overrides=[
+        f"run.workdir={tmp_path / 'w'}", f"features.extractor.flavour={port.port}",
+        f"features.extractor.weights={port.ex.weights_path}", "features.extractor.device=cpu",
+        "features.extractor.min_size=192", "features.extractor.max_size=320", "features.extractor.proposals=24",
+        "features.dtype=float32", "features.chunk_rows=2", "features.max_boxes=100"])
+    res = extract_features(cfg, ds, workers=0, progress=False)
+    assert res.ok == port.n
+    s = FeatureStore.open(res.store)
+    assert s.extras == ("object_id", "object_conf", "attr_id", "attr_conf", "boxes_px")
+    b = s.read_block(0, s.num_rows)
+    assert s.attrs["bottom_up"]["flavour"] == port.port and s.attrs["bottom_up"]["deviations"] == {}
+    for i in range(port.n):
+        keep = port[f"img{i}_keep_t02"]
+        n = int(b.num_boxes[i])
+        assert b.status[i] == OK and n == len(keep)
+        close(b.features[i, :n], port[f"img{i}_pooled"][keep], f"stored features {i}")
+        close(b.extras["boxes_px"][i, :n], port[f"img{i}_boxes_t02"], f"stored pixel boxes {i}")
+        assert b.extras["object_id"][i, :n].tolist() == port[f"img{i}_objects_t02"].tolist()
+        assert b.extras["attr_id"][i, :n].tolist() == port[f"img{i}_attrs_t02"].tolist()
+        assert np.all(b.extras["object_id"][i, n:] == -1)
+    assert s.verify().ok
+    again = extract_features(cfg, ds, workers=0, progress=False)
+    assert again.extracted == 0
