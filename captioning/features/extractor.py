@@ -41,16 +41,13 @@ shape, is an error.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import multiprocessing
-import os
 import pickle
 import time
-import uuid
 import warnings
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -69,7 +66,14 @@ from captioning.features.selection import (
     overlap_masks,
     select_boxes,
 )
-from captioning.util import resolve_device, sha256_file
+from captioning.features.weights import (  # noqa: F401 - resolve_weights/default_cache_dir: the extractor's API
+    default_cache_dir,
+    find_key,
+    read_checkpoint,
+    resolve,
+    resolve_weights,
+)
+from captioning.util import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -153,73 +157,6 @@ class _Detected:
         self.pooled_h, self.probs_h, self.boxes_h, self.over_h = (t.numpy() for t in self.host)
 
 
-# ---------------------------------------------------------------------- weights
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("CAPFLOW_WEIGHTS_CACHE", "~/.cache/capflow/weights")).expanduser()
-
-
-def _check_sha(uri: str, expected: str | None, actual: str) -> None:
-    if expected is not None and expected.strip().lower() != actual:
-        raise ValueError(
-            f"detector weights {uri}: sha256 mismatch: expected {expected.strip().lower()}, actual {actual}"
-        )
-
-
-def _resolve(uri: str, sha256: str | None, cache_dir: Path) -> tuple[Path, str]:
-    """(local path, its sha256) of a weights URI; remote files are downloaded once into ``cache_dir``."""
-    if uri.startswith("file://"):
-        uri = uri[len("file://"):]
-    if "://" not in uri:
-        path = Path(uri).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"detector weights not found: {path}")
-        digest = sha256_file(path)
-        _check_sha(uri, sha256, digest)
-        return path, digest
-
-    import fsspec
-
-    from captioning.data.stores import storage_options_for
-
-    protocol = uri.split("://", 1)[0]
-    fs = fsspec.filesystem(protocol, **(storage_options_for(uri) or {}))
-    name = Path(uri.rstrip("/")).name or "weights"
-    if sha256:
-        key = sha256.strip().lower()
-    else:  # no pinned hash: the remote object's identity (ETag/size/mtime) names the cached copy
-        info = fs.info(uri)
-        ident = {k: str(info.get(k)) for k in ("ETag", "etag", "size", "LastModified", "mtime") if k in info}
-        key = "uri-" + hashlib.sha256(repr((uri, sorted(ident.items()))).encode()).hexdigest()[:16]
-    target = Path(cache_dir).expanduser() / key / name
-    if target.is_file():
-        digest = sha256_file(target)
-        if sha256 is None or digest == sha256.strip().lower():
-            return target, digest
-        target.unlink(missing_ok=True)  # a bad cached copy: fetch again
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{name}.{os.getpid()}.{uuid.uuid4().hex}.part")
-    try:
-        log.info("downloading detector weights %s -> %s", uri, target)
-        fs.get_file(uri, str(tmp))
-        digest = sha256_file(tmp)
-        _check_sha(uri, sha256, digest)
-        os.replace(tmp, target)  # atomic: concurrent workers downloading the same file do not clash
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target, digest
-
-
-def resolve_weights(uri: str, sha256: str | None, cache_dir: Path) -> Path:
-    """Local path of the weights at ``uri`` (a path, ``file://`` or ``s3://...``), verified against ``sha256``.
-
-    Remote files are downloaded once into ``cache_dir`` (credentials from the environment only; the endpoint
-    from ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` when set). A hash mismatch raises ValueError naming the
-    expected and the actual hash.
-    """
-    return _resolve(uri, sha256, Path(cache_dir))[0]
-
-
 # Keys of the ports' detectron2 configs that stock detectron2 does not have (airsplay's fork; MILVLG's BUA)
 BOTTOM_UP_YAML_KEYS = {"MODEL.CAFFE_MAXPOOL", "MODEL.PROPOSAL_GENERATOR.HID_CHANNELS", "MODEL.ROI_BOX_HEAD.RES5HALVE",
                        "MODEL.ROI_BOX_HEAD.ATTR", "MODEL.ROI_BOX_HEAD.NUM_ATTRS", "MODEL.BUA",
@@ -240,37 +177,6 @@ def unknown_config_keys(base, loaded: Any, prefix: str = "") -> list[str]:
         elif isinstance(v, dict):
             out.extend(unknown_config_keys(base[k], v, name + "."))
     return sorted(out)
-
-
-def _find_key(state: dict[str, Any], exact: str, c2: str, suffix: str) -> str | None:
-    if exact in state:
-        return exact
-    if c2 in state:
-        return c2
-    for k in state:
-        if k.endswith(suffix):
-            return k
-    return None
-
-
-def _read_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint as detectron2's checkpointer expects it: ``{"model": state_dict, ...}``."""
-    if path.suffix == ".pkl":
-        from captioning.safe_pickle import load_detectron2_pkl
-
-        return load_detectron2_pkl(path)  # restricted unpickler: numpy arrays only, nothing from the file runs
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read detector weights {path} as a torch checkpoint: {e}") from e
-    if isinstance(obj, dict):
-        for key in ("model", "state_dict"):
-            if isinstance(obj.get(key), dict):
-                obj = obj[key]
-                break
-    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
-        raise ValueError(f"detector weights {path}: no state dict found (got {type(obj).__name__})")
-    return {"model": OrderedDict(obj), "__author__": "capflow"}
 
 
 # ---------------------------------------------------------------------- the extractor
@@ -385,9 +291,9 @@ class RegionExtractor:
             self.weights_digest = f"random-init:{cfg.seed}:{cfg.model_config_file}"
             self.weights_path: Path | None = None
         else:
-            path, digest = _resolve(cfg.weights, cfg.weights_sha256, Path(cache_dir or default_cache_dir()))
+            path, digest = resolve(cfg.weights, cfg.weights_sha256, Path(cache_dir or default_cache_dir()))
             self.weights_digest, self.weights_path = digest, path
-            checkpoint = _read_checkpoint(path)
+            checkpoint = read_checkpoint(path)
 
         self._setup(checkpoint)
         if self.random_init:
@@ -451,7 +357,7 @@ class RegionExtractor:
     def _adapt_to_checkpoint(self, d2, checkpoint: dict[str, Any]) -> None:
         """Class count and box-regression layout from the checkpoint's box predictor."""
         state = checkpoint["model"]
-        k_cls = _find_key(state, "roi_heads.box_predictor.cls_score.weight", "cls_score_w",
+        k_cls = find_key(state, "roi_heads.box_predictor.cls_score.weight", "cls_score_w",
                           "box_predictor.cls_score.weight")
         if k_cls is None:
             raise ValueError("detector weights have no box classifier (roi_heads.box_predictor.cls_score.weight)")
@@ -462,7 +368,7 @@ class RegionExtractor:
         if num_classes != d2.MODEL.ROI_HEADS.NUM_CLASSES:
             log.info("detector weights have %d classes (config: %d)", num_classes, d2.MODEL.ROI_HEADS.NUM_CLASSES)
         d2.MODEL.ROI_HEADS.NUM_CLASSES = num_classes
-        k_box = _find_key(state, "roi_heads.box_predictor.bbox_pred.weight", "bbox_pred_w",
+        k_box = find_key(state, "roi_heads.box_predictor.bbox_pred.weight", "bbox_pred_w",
                           "box_predictor.bbox_pred.weight")
         if k_box is not None:
             box_rows = int(state[k_box].shape[0])

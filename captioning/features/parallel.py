@@ -30,6 +30,7 @@ import numpy as np
 from captioning.config import ExtractorConfig, FeaturesConfig, PipelineConfig
 from captioning.data.karpathy import Dataset
 from captioning.data.stores import EXTRAS, OK, PENDING, REJECTED, FeatureStore, StoreError
+from captioning.features.weights import weights_identity
 from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
@@ -38,21 +39,6 @@ STORE_FORMAT = 1  # bump when the extraction code changes its numbers
 
 
 # ---------------------------------------------------------------------- identity
-def weights_identity(ex: ExtractorConfig) -> str:
-    """What identifies the detector weights: the file's sha256 (given or computed), or the random-init seed."""
-    if ex.weights is None:
-        return f"random-init:{ex.seed}:{ex.model_config_file}"
-    if ex.weights_sha256:
-        return ex.weights_sha256.lower()
-    if "://" not in ex.weights:
-        h = hashlib.sha256()
-        with open(ex.weights, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
-    return f"uri:{ex.weights}"  # remote without a pinned hash: the URI is the best identity we have
-
-
 def store_key(f: FeaturesConfig) -> str:
     from captioning.features.extractor import effective_config
 

@@ -115,7 +115,7 @@ def _bundle_detector(out: Path, features: dict[str, Any], cache_dir: str | Path 
     uri = ex.get("weights")
     if not uri:
         return features
-    from captioning.features.extractor import default_cache_dir, resolve_weights
+    from captioning.features.weights import default_cache_dir, resolve_weights
     from captioning.util import sha256_file
 
     src = resolve_weights(str(uri), ex.get("weights_sha256"), Path(cache_dir) if cache_dir else default_cache_dir())

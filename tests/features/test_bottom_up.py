@@ -234,3 +234,18 @@ def test_options_resolve_over_the_reference():
     assert o["pooler"] == "ROIAlignV2" and o["resize"] == "caffe" and o["selection_nms_inclusive"] is True
     with pytest.raises(ValueError, match="bottom-up flavours only"):
         ExtractorConfig(bottom_up={"pooler": "ROIPool"})
+
+
+def test_caffe_proposals_minimum_side_and_edges():
+    """MILVLG's rule: '+1' decode, clip to w-1, proposals whose side + 1 is not above 16 x im_scale dropped."""
+    st = _stages("milvlg")
+    anchors = torch.tensor([[0.0, 0.0, 5.0, 5.0], [0.0, 0.0, 20.0, 20.0], [90.0, 40.0, 130.0, 70.0]])
+    deltas = torch.zeros(3, 4)
+    scores = torch.tensor([0.9, 0.8, 0.7])
+    got = st._caffe_proposals(deltas, anchors, scores, (60, 100), 1.0)
+    # zero deltas move x2 to x2 + 1 (the port's decoder); the clip to (w-1, h-1) leaves the third 10 x 20 px
+    assert got.boxes.tolist() == [[0.0, 0.0, 21.0, 21.0]]
+    st.opts["rpn_min_size"] = 0.0
+    assert st._caffe_proposals(deltas, anchors, scores, (60, 100), 1.0).boxes.shape[0] == 3
+    st.opts["rpn_min_size"] = 16.0
+    assert st._caffe_proposals(deltas, anchors, scores, (60, 100), 0.25).boxes.shape[0] == 3  # 16 x 0.25 = 4 px

@@ -116,8 +116,11 @@ def test_e_kept_boxes_set_and_order(port, setting):
         keep, max_conf = port.ex.stages.select(px, port[f"img{i}_cls_prob"], conf_threshold=conf,
                                                nms_threshold=0.3, min_boxes=lo, max_boxes=hi)
         want = port[f"img{i}_keep_{setting}"]
-        assert np.array_equal(max_conf, port[f"img{i}_maxconf"].astype(np.float32)), f"image {i}: max_conf"
-        if bool(port[f"img{i}_tierobust_{setting}"]):
+        if f"img{i}_maxconf" in port.g.files:  # recorded where the reference's selection exposes it (butd)
+            assert np.array_equal(max_conf, port[f"img{i}_maxconf"].astype(np.float32)), f"image {i}: max_conf"
+        # the generator flags a setting whose cut falls among exactly equal scores (absent: no ties)
+        robust = f"img{i}_tierobust_{setting}" not in port.g.files or bool(port[f"img{i}_tierobust_{setting}"])
+        if robust:
             assert keep.tolist() == want.tolist(), f"image {i} {setting}: kept {keep.tolist()} vs {want.tolist()}"
             close(px[keep], port[f"img{i}_boxes_{setting}"], f"image {i} {setting} stored boxes")
         else:  # the cut falls among exactly equal scores, which the reference leaves to numpy's sort order:
