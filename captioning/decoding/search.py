@@ -18,6 +18,18 @@ Length: ``max_len`` counts output tokens, EOS included; a caption that reaches i
 ``use_cache=True`` feeds only the new K tokens per step (O(t)); ``use_cache=False`` re-decodes the whole
 prefix each step (``decode_step(memory, tokens, None, prefix=...)``, the O(t^2) reference).
 
+Models that must re-run the whole prefix (``model.prefix_decoding``: an imported released ZoDIAC, whose pooled
+gate changes every earlier position's output as the prefix grows) are always decoded that way, whatever
+``use_cache`` says, on the eager engine; their pooling is computed per row as the released code computes it for
+one image alone (:meth:`captioning.models.layers.MultiHeadAttention._released_pool`), so a caption does not
+depend on the other images, beams or samples decoded with it, nor on finished rows leaving the batch.
+
+``released_acort_cache`` (greedy, beam search, sampling; None = the model's ``cfg.released_acort_cache``): decode
+with the released ORT/ACORT code's step cache, where a decoder layer shared by several positions keeps one
+self-attention cache for all of them (:mod:`captioning.models.encoder_decoder`). It reproduces the published ACORT
+captions of a released checkpoint, but it is not the function the model was trained with (teacher forcing and
+``use_cache=False``, which capflow's own cache equals); off by default, eager growing cache only.
+
 The public functions run under ``torch.inference_mode`` and return ordinary tensors (cloned outside inference
 mode), so that e.g. SCST can use ``token_logprobs`` / ``lengths`` in autograd expressions.
 
@@ -80,10 +92,12 @@ class Decoded:
 class _Stepper:
     """Feeds groups of K tokens, cached (O(t) per step) or by re-decoding the prefix (the reference)."""
 
-    def __init__(self, model, memory, use_cache: bool):
+    def __init__(self, model, memory, use_cache: bool, released_cache: bool = False):
         self.model = model
         self.memory = memory
-        self.cache = model.new_cache() if use_cache else None
+        self.cache = None
+        if use_cache:
+            self.cache = model.new_cache(released_acort_cache=True) if released_cache else model.new_cache()
         self.prefix: torch.Tensor | None = None  # (R, t) inputs fed so far (uncached path)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -137,6 +151,28 @@ def _dropout_active(model) -> bool:
     if isinstance(model, torch.nn.Module):
         return any(isinstance(m, torch.nn.Dropout) and m.training and m.p > 0 for m in model.modules())
     return bool(getattr(model, "training", False))
+
+
+def _decoding_mode(model, use_cache: bool, static_cache: bool | None, graphs: bool | None,
+                   released_acort_cache: bool | None) -> tuple[bool, bool | None, bool | None, bool]:
+    """The options as the model allows them -> (use_cache, static_cache, graphs, released step cache): prefix
+    models (``model.prefix_decoding``) re-decode the whole prefix eagerly; the released ACORT step cache is an
+    eager growing cache (module docstring). Asking for what such a model cannot do is an error."""
+    cfg = getattr(model, "cfg", None)
+    released = (bool(getattr(cfg, "released_acort_cache", False)) if released_acort_cache is None
+                else bool(released_acort_cache))
+    if getattr(model, "prefix_decoding", False):
+        if static_cache or graphs or released_acort_cache:
+            raise ValueError("this model re-runs the whole prefix every step (the released ZoDIAC pooling): no static "
+                             "cache, CUDA graphs or step cache")
+        return False, False, False, False
+    if released:
+        if not use_cache:
+            raise ValueError("released_acort_cache is a step cache; use_cache=False decodes the whole prefix")
+        if static_cache or graphs:
+            raise ValueError("the released ACORT step cache is an eager growing cache: no static cache or CUDA graphs")
+        return True, False, False, True
+    return use_cache, static_cache, graphs, False
 
 
 def _engine(model, memory, use_cache: bool, static_cache: bool | None, graphs: bool | None) -> tuple[bool, bool]:
@@ -247,7 +283,8 @@ def _row_outputs(model, n: int, dev, max_len: int):
 
 
 def _rowwise(model, memory, max_len: int, use_cache: bool,
-             choose: Callable[[torch.Tensor], torch.Tensor], constraint: int = 0) -> tuple[torch.Tensor, ...]:
+             choose: Callable[[torch.Tensor], torch.Tensor], constraint: int = 0,
+             released_cache: bool = False) -> tuple[torch.Tensor, ...]:
     """Decode every memory row independently; ``choose(logp (A, K, V)) -> tokens (A, K)``.
 
     Finished rows leave the batch (cache, prefix and memory keep only the open rows), and decoding stops
@@ -257,7 +294,7 @@ def _rowwise(model, memory, max_len: int, use_cache: bool,
     max_len, steps, k, eos, toks, tlp, lengths = _row_outputs(model, n, dev, max_len)
     active = torch.arange(n, device=dev)  # original row of each open row
     offs = torch.arange(k, device=dev)
-    stepper = _Stepper(model, memory, use_cache)
+    stepper = _Stepper(model, memory, use_cache, released_cache)
     inp = model.start_tokens(n, device=dev)
     for s in range(steps):
         logp = _mask_specials(model, stepper.step(inp).float())  # (A, K, V)
@@ -374,16 +411,20 @@ def _constraint(decoding_constraint: bool, word_tokens: int) -> int:
 
 
 def greedy(model, memory, max_len: int = 16, use_cache: bool = True, static_cache: bool | None = None,
-           graphs: bool | None = None, decoding_constraint: bool = False, word_tokens: int = 1) -> Decoded:
+           graphs: bool | None = None, decoding_constraint: bool = False, word_tokens: int = 1,
+           released_acort_cache: bool | None = None) -> Decoded:
     """Greedy decoding: each step takes the arg-max at each of its K positions (n = 1). ``static_cache`` /
     ``graphs``: the engine (see the module's doc; ``graphs=None`` = CUDA graphs on CUDA in eval mode).
-    ``decoding_constraint``: no word right after itself (words of ``word_tokens`` tokens; see the module's doc)."""
+    ``decoding_constraint``: no word right after itself (words of ``word_tokens`` tokens; see the module's doc).
+    ``released_acort_cache``: the released ORT/ACORT step cache (None = the model's setting; module doc)."""
     constraint = _constraint(decoding_constraint, word_tokens)
+    use_cache, static_cache, graphs, released = _decoding_mode(model, use_cache, static_cache, graphs,
+                                                               released_acort_cache)
 
     def run(static: bool, use_graphs: bool):
         if static:
             return _greedy_static(model, memory, max_len, use_graphs, constraint)
-        return _rowwise(model, memory, max_len, use_cache, _argmax, constraint)
+        return _rowwise(model, memory, max_len, use_cache, _argmax, constraint, released)
 
     with torch.inference_mode():
         b = memory.states.shape[0]
@@ -394,7 +435,8 @@ def greedy(model, memory, max_len: int = 16, use_cache: bool = True, static_cach
 
 def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.0,
            generator: torch.Generator | None = None, use_cache: bool = True, decoding_constraint: bool = False,
-           word_tokens: int = 1, static_cache: bool | None = None, graphs: bool | None = None) -> Decoded:
+           word_tokens: int = 1, static_cache: bool | None = None, graphs: bool | None = None,
+           released_acort_cache: bool | None = None) -> Decoded:
     """``n`` samples per image from ``softmax(log p / temperature)`` (PAD/BOS excluded).
 
     The K positions of a group are sampled independently (they are predicted in parallel). The reported
@@ -416,6 +458,8 @@ def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.
         raise ValueError(f"temperature must be > 0, got {temperature} (use greedy for arg-max)")
     if graphs and generator is not None:
         raise ValueError("graph-captured sampling draws from the default CUDA generator: pass generator=None")
+    use_cache, static_cache, graphs, released = _decoding_mode(model, use_cache, static_cache, graphs,
+                                                               released_acort_cache)
 
     def choose(logp: torch.Tensor) -> torch.Tensor:
         a, k, v = logp.shape
@@ -426,7 +470,7 @@ def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.
         if static:
             return _rows_static(model, rows, max_len, use_graphs, race_sampler(temperature, generator), constraint,
                                 ("sample", float(temperature)))
-        return _rowwise(model, rows, max_len, use_cache, choose, constraint)
+        return _rowwise(model, rows, max_len, use_cache, choose, constraint, released)
 
     with torch.inference_mode():
         b = memory.states.shape[0]
@@ -440,7 +484,8 @@ def sample(model, memory, n: int = 5, max_len: int = 16, temperature: float = 1.
 # ---------------------------------------------------------------------- beam search
 def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty: float = 0.0, n_best: int = 1,
                 use_cache: bool = True, static_cache: bool | None = None, graphs: bool | None = None,
-                decoding_constraint: bool = False, word_tokens: int = 1) -> Decoded:
+                decoding_constraint: bool = False, word_tokens: int = 1,
+                released_acort_cache: bool | None = None) -> Decoded:
     """Group-aware beam search; returns the ``n_best`` best hypotheses per image, best first.
 
     Scores are sums of token log-probs (no length normalisation by default). Inside a group the K positions
@@ -463,8 +508,11 @@ def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty:
     (The static engine looks every CHECK_EVERY steps; the extra steps only append PAD to finished slots.)
     ``static_cache`` / ``graphs``: the engine (see the module's doc). ``decoding_constraint``: no hypothesis is
     extended with the word it just ended with (words of ``word_tokens`` tokens; see the module's doc).
+    ``released_acort_cache``: the released ORT/ACORT step cache (None = the model's setting; module doc).
     """
     constraint = _constraint(decoding_constraint, word_tokens)
+    use_cache, static_cache, graphs, released = _decoding_mode(model, use_cache, static_cache, graphs,
+                                                               released_acort_cache)
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
     if not 1 <= n_best <= beam:
@@ -472,7 +520,7 @@ def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty:
 
     def run(static: bool, use_graphs: bool) -> Decoded:
         return _beam(model, memory, beam, max_len, float(length_penalty), n_best, use_cache, static, use_graphs,
-                     constraint)
+                     constraint, released)
 
     with torch.inference_mode():
         out = _run_engine(run, model, memory, use_cache, static_cache, graphs)
@@ -480,7 +528,7 @@ def beam_search(model, memory, beam: int = 3, max_len: int = 16, length_penalty:
 
 
 def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_cache: bool, static: bool = False,
-          graphs: bool = False, constraint: int = 0) -> Decoded:
+          graphs: bool = False, constraint: int = 0, released_cache: bool = False) -> Decoded:
     max_len, steps = _steps(model, max_len)
     k, eos = int(model.group_size), int(model.eos)
     b = memory.states.shape[0]
@@ -501,7 +549,7 @@ def _beam(model, memory, w: int, max_len: int, alpha: float, n_best: int, use_ca
         inp = model.start_tokens(b * w, device=dev)
     else:
         row = torch.arange(b, device=dev)[:, None].expand(b, w)
-        stepper = _Stepper(model, memory, use_cache)
+        stepper = _Stepper(model, memory, use_cache, released_cache)
         inp = model.start_tokens(b, device=dev)
 
     for s in range(steps):

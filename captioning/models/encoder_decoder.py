@@ -19,8 +19,17 @@ choices (checkpoints trained before these options existed keep their meaning):
   (``a * (x - mean) / (std_unbiased + 1e-6) + b``, the Annotated Transformer's, used by the released AIC, SATIC,
   ZoDIAC and ORT/ACORT code; up to 5e-3 apart on a normalised activation at d=512).
 - ``ffn_activation``: ``relu`` or ``none`` (ZoDIAC's released model classes have no ReLU in the FFN).
-- ``zodiac_pool``: ``sample`` (mean intensity per sample, head and query) or ``released`` (one scalar over the
-  batch with the released denominator; decode without a cache).
+- ``zodiac_pool``: ``sample`` (mean intensity per sample, head and query) or ``released`` (one scalar per sample
+  with the released sum and denominator, as the released code computes it for a batch of one image: its own
+  batch-level pooling would make a caption depend on the other images of the batch; see
+  :meth:`~captioning.models.layers.MultiHeadAttention._released_pool`). Such a model decodes by re-running the
+  whole prefix every step (:attr:`Captioner.prefix_decoding`: the decoding functions do it by themselves).
+- ``released_acort_cache``: decode with the released ORT/ACORT code's step cache (jiahuei/sparse-image-captioning
+  ``CachedMultiHeadedAttention``): a decoder layer shared by several positions keeps ONE self-attention cache, to
+  which every position using it appends its keys/values in turn, and a cached step attends to all of it without a
+  mask. That is not the function the model was trained with (teacher forcing and whole-prefix decoding see only
+  the same position's keys at every earlier step); the published ACORT captions come from it. Off by default;
+  without cross-layer sharing it changes nothing. Growing cache only (no static cache / CUDA graphs), K = 1.
 - ``attn_dropout``: dropout on the attention weights (None = ``dropout``); ExpansionNet's released
   cross-attention has none.
 - ``expansion_eps`` (1e-4; released 1e-9) and ``expansion_dropout`` (``capflow`` | ``released``): see
@@ -129,6 +138,8 @@ class ArchConfig:
     # region features standardised per dimension, (x - feature_mean) * feature_scale, before the region projection,
     # with statistics of the training split stored in the model (buffers; set by Captioner.set_feature_stats)
     standardize_features: bool = False
+    # decode with the released ORT/ACORT step cache (one self-attention cache per shared layer; module docstring)
+    released_acort_cache: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,6 +204,7 @@ class DecoderCache:
     length: int = 0
     max_len: int | None = None  # static: preallocated positions
     pos: torch.Tensor | None = None  # static: positions fed so far, on the device
+    shared: bool = False  # the released ACORT step cache: positions of a shared layer share its "self" states
 
     @property
     def static(self) -> bool:
@@ -202,10 +214,12 @@ class DecoderCache:
         """Keep batch rows ``idx`` (beam search). ``cross=False`` leaves the cross-attention states alone (when
         every new row comes from a row of the same image, whose memory states are identical)."""
         seen: set[int] = set()
+        parts: set[int] = set()
         for layer in self.layers:
             for name, part in layer.items():
-                if name == "cross" and not cross:
+                if (name == "cross" and not cross) or id(part) in parts:  # a shared part moves once
                     continue
+                parts.add(id(part))
                 for k, v in part.items():
                     if not isinstance(v, torch.Tensor) or k in static_cache.META:
                         continue
@@ -351,6 +365,9 @@ class Captioner(nn.Module):
         m2 = cfg.skeleton == "m2"
         if m2 and cfg.norm != "post":
             raise ValueError("the m2 skeleton is post-LN: set norm='post' with skeleton='m2'")
+        if cfg.released_acort_cache and (cfg.group_size != 1 or cfg.dec_attention != "standard"):
+            raise ValueError("released_acort_cache is the released ORT/ACORT decoder's step cache: it needs group "
+                             "size 1 and standard decoder self-attention")
         self.cfg = cfg
         d = cfg.d_model
         if cfg.standardize_features:  # identity until set_feature_stats
@@ -436,6 +453,13 @@ class Captioner(nn.Module):
         return self.cfg.group_size
 
     @property
+    def prefix_decoding(self) -> bool:
+        """True when a decoding step must re-run the whole prefix (no cache): the released ZoDIAC pooling, whose
+        gate changes every earlier position's output as the prefix grows. The decoding functions read it."""
+        return self.cfg.zodiac_pool == "released" and "zodiac" in (
+            self.cfg.enc_attention, self.cfg.dec_attention, self.cfg.cross_attention)
+
+    @property
     def bos(self) -> int:
         return self.cfg.bos
 
@@ -505,11 +529,16 @@ class Captioner(nn.Module):
             return self.embed_drop(self.embed(tokens)) * math.sqrt(d) + self.pos(idx)
         return self.embed_drop(self.embed(tokens) * math.sqrt(d) + self.pe.index_select(0, idx))
 
-    def _decode(self, memory: Memory, tokens: torch.Tensor, offset: int, caches: list | None) -> torch.Tensor:
+    def _decode(self, memory: Memory, tokens: torch.Tensor, offset: int, caches: list | None,
+                shared: bool = False) -> torch.Tensor:
         x = self._embed(tokens, offset)
         t = tokens.shape[1]
         if caches is None:
             mask = self.relaxed_mask(t, t, 0, tokens.device)
+        elif shared:  # the released ACORT step cache: one token per step, every cached key visible (no mask)
+            if t != 1:
+                raise ValueError("the released ACORT step cache feeds one token per step")
+            mask = None
         else:  # new positions see every cached position and, by the relaxed mask, their own group
             mask = self.relaxed_mask(t, offset + t, offset, tokens.device)
         h = self.decoder.run(x, lambda pos, layer, y: layer(y, memory, mask, caches[pos] if caches else None))
@@ -524,9 +553,21 @@ class Captioner(nn.Module):
             memory = memory.repeat(inputs.shape[0] // memory.states.shape[0])
         return self._decode(memory, inputs, 0, None)
 
-    def new_cache(self, static: bool = False, max_len: int | None = None, device=None) -> DecoderCache:
+    def new_cache(self, static: bool = False, max_len: int | None = None, device=None,
+                  released_acort_cache: bool = False) -> DecoderCache:
         """A growing cache, or with ``static=True`` a static one of ``max_len`` positions (default the model's
-        ``cfg.max_len``) whose position counter lives on ``device`` (see :class:`DecoderCache`)."""
+        ``cfg.max_len``) whose position counter lives on ``device`` (see :class:`DecoderCache`).
+
+        ``released_acort_cache``: the released ORT/ACORT step cache, where the positions of a shared decoder layer
+        share one self-attention state (module docstring); growing only. (The decoding functions ask for it when
+        ``cfg.released_acort_cache`` is set or when told to.)"""
+        if released_acort_cache:
+            if static:
+                raise ValueError("the released ACORT step cache grows by a layer's uses per step: no static cache")
+            if self.group_size != 1:
+                raise ValueError("the released ACORT step cache is for autoregressive models (group size 1)")
+            selfs: dict[int, dict[str, Any]] = {lid: {} for lid in set(self.decoder.map)}
+            return DecoderCache(layers=[{"self": selfs[lid], "cross": {}} for lid in self.decoder.map], shared=True)
         if not static:
             return DecoderCache(layers=[{} for _ in self.decoder.map])
         size = self.cfg.max_len if max_len is None else int(max_len)
@@ -574,7 +615,7 @@ class Captioner(nn.Module):
                                  f"{cache.max_len} positions")
             out = self._decode_static(memory, tokens, cache)
         else:
-            out = self._decode(memory, tokens, cache.length, cache.layers)
+            out = self._decode(memory, tokens, cache.length, cache.layers, shared=cache.shared)
         cache.length += tokens.shape[1]
         return out
 

@@ -14,6 +14,11 @@ Supported: the Annotated-Transformer-based captioners of ruotianluo's self-criti
     model.tgt_embed.0.lut.weight, model.generator.proj.*        -> embed, generator (ids remapped)
     model.tgt_embed.1.pe                                        (the sinusoid table: checked, not copied)
 
+ZoDIAC gate: the released ``ZTransformerModel`` (``--caption_model zodiac-sigmoid``) and ``ZTransformerModel2``
+(``zodiac-tanh``) differ only in the gate's function, not in their keys or shapes, and the released run records
+its ``caption_model`` only in a pickle (``infos_<id>.pkl``) that capflow does not read: the gate must be given
+(``zodiac_gate=`` / ``--gate``), and an import without it is refused with that reason.
+
 Ids: the released code uses 0 as BOS, EOS and padding and 1..V for the words of its ``ix_to_word``; capflow has
 ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, the words, then ``<unk>``. The embedding rows are permuted accordingly
 (``<bos>`` and ``<pad>`` take row 0), the generator's too (``<eos>`` takes row 0; ``<pad>`` and ``<bos>``, which
@@ -106,6 +111,14 @@ specials move to capflow's places, a pure row permutation (every log-prob unchan
 checkpoint (``saved_models/<exp>_best.pth``) also holds numpy RNG state, which ``weights_only`` refuses: save its
 ``state_dict`` entry alone. Not copied: the M2 encoder's region mask (see the skeleton's docstring).
 
+Words that are not capflow words: a released vocabulary may hold tokens capflow's vocabulary cannot (the M2
+``TextField`` vocabulary built with spaCy, LW-Transformer's ``vocab.pkl``, holds 6 whitespace tokens: ``' '``,
+``'  '``, ``'\\n'``, ``'   '``, ``'\\n '``, ``'    '``). They are real rows of the embedding and output layers, so
+they are kept, each under a name (:func:`capflow_word`): every whitespace character becomes ``<U+XXXX>`` (its code
+point), e.g. ``' '`` -> ``<U+0020>``, ``'\\n '`` -> ``<U+000A><U+0020>``; an empty token becomes ``<empty>``. A
+caption holding one prints that name (the released evaluation would print the whitespace, which its PTB
+tokenizer then drops). A name that collides with another word is refused.
+
 Not supported: ORT/ACORT checkpoints without the trigonometric box embedding (``--no_box_trigonometric_embedding``,
 4-d geometry) and the pruning variants (``relation_transformer_prune.py``, whose masks are unknown keys).
 """
@@ -131,6 +144,7 @@ LW_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # the M2 TextField's tokens,
 _LW_STATES = re.compile(
     r"decoder\.(running_mask_self_attention|running_seq|layers\.\d+\.self_att\.running_(keys|values))")
 SP_SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")  # the released SentencePiece ids 0..3
+ZODIAC_GATES = ("sigmoid", "tanh")  # the released --caption_model zodiac-sigmoid / zodiac-tanh
 _NEVER = -1e9  # generator bias of classes the released model cannot emit
 
 
@@ -167,15 +181,25 @@ def _count(sd: dict[str, torch.Tensor], prefix: str) -> int:
 
 
 def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str], *, heads: int = 8,
-                      group_size: int | None = None) -> tuple[ArchConfig, dict[str, torch.Tensor], list[str]]:
+                      group_size: int | None = None, zodiac_gate: str | None = None
+                      ) -> tuple[ArchConfig, dict[str, torch.Tensor], list[str]]:
     """Released state dict (AIC/SATIC/ZoDIAC) -> (capflow config, capflow state dict, capflow word list).
 
     ``words``: the released ``ix_to_word`` in id order (word ids 1..V). Returns the words capflow's
-    vocabulary holds (``UNK`` removed: it becomes ``<unk>``)."""
+    vocabulary holds (``UNK`` removed: it becomes ``<unk>``). ``zodiac_gate`` (``sigmoid`` | ``tanh``): the
+    released ZoDIAC model class, which its weights cannot tell (module docstring); required for ``zodiac``."""
     if family not in ANNOTATED:
         raise ImportCheckpointError(f"unknown family {family!r}: one of {', '.join(ANNOTATED)}")
     if family == "satic" and not group_size:
         raise ImportCheckpointError("a SATIC checkpoint needs its group size K (not stored in the weights)")
+    if family == "zodiac" and zodiac_gate not in ZODIAC_GATES:
+        raise ImportCheckpointError(
+            "a ZoDIAC checkpoint needs its gate: the released zodiac-sigmoid (ZTransformerModel) and zodiac-tanh "
+            "(ZTransformerModel2) models have the same keys and shapes, and the released run records which in a "
+            "pickle capflow does not read; give the run's --caption_model as --gate sigmoid or --gate tanh"
+            + ("" if zodiac_gate is None else f" (not {zodiac_gate!r})"))
+    if family != "zodiac" and zodiac_gate is not None:
+        raise ImportCheckpointError(f"--gate is for zodiac checkpoints, not {family}")
     sd = dict(sd)
     need = ["att_embed.0.weight", "model.tgt_embed.0.lut.weight", "model.generator.proj.weight"]
     missing = [k for k in need if k not in sd]
@@ -190,7 +214,7 @@ def convert_annotated(sd: dict[str, torch.Tensor], family: str, words: list[str]
                                     "+ 1 (id 0 = BOS/EOS)")
     kept = [w for w in words if w != "UNK"]
     vocab_size = 3 + len(kept) + 1  # <pad> <bos> <eos> words <unk>
-    base = {"aic": "aic", "satic": "aic", "zodiac": "zodiac-sigmoid"}[family]
+    base = {"aic": "aic", "satic": "aic", "zodiac": f"zodiac-{zodiac_gate}"}[family]
     cfg = released(preset(base)).replace(
         d_model=d, d_in=d_in, heads=heads, d_ff=d_ff, enc_layers=n_enc, dec_layers=n_dec, vocab_size=vocab_size,
         bos=1, eos=2, group_size=group_size or 1)
@@ -754,13 +778,43 @@ def read_id_words(path: str | Path) -> list[str]:
     raise ImportCheckpointError(f"{path}: expected a JSON list of words (id order) or a word -> id mapping")
 
 
+def capflow_word(word: str) -> str:
+    """A released vocabulary token as a capflow vocabulary word: itself when it is one (no white space), else
+    every white-space character written ``<U+XXXX>`` (``' '`` -> ``<U+0020>``), ``<empty>`` for an empty token
+    (module docstring)."""
+    if word == "":
+        return "<empty>"
+    return "".join(f"<U+{ord(c):04X}>" if c.isspace() else c for c in word)
+
+
+def capflow_words(words: list[str]) -> list[str]:
+    """:func:`capflow_word` of every word; a name equal to another word is refused."""
+    out = [capflow_word(w) for w in words]
+    seen: dict[str, str] = {}
+    for w, c in zip(words, out, strict=True):
+        if c in seen and seen[c] != w:
+            raise ImportCheckpointError(f"the released tokens {seen[c]!r} and {w!r} both become the capflow word {c!r}")
+        seen[c] = w
+    return out
+
+
 def import_checkpoint(family: str, path: str | Path, vocab_path: str | Path, *, heads: int = 8,
-                      group_size: int | None = None):
-    """Read a released checkpoint and its vocabulary -> (capflow model, capflow Vocabulary)."""
+                      group_size: int | None = None, zodiac_gate: str | None = None,
+                      released_acort_cache: bool = False):
+    """Read a released checkpoint and its vocabulary -> (capflow model, capflow Vocabulary).
+
+    ``zodiac_gate``: ``sigmoid`` or ``tanh``, required for ``zodiac`` (see :func:`convert_annotated`).
+    ``released_acort_cache`` (``ort``/``acort``): the model decodes with the released step cache
+    (``ArchConfig.released_acort_cache``: the published ACORT captions; off = the function it was trained with).
+    Released tokens that are not capflow words are renamed (:func:`capflow_word`)."""
     from captioning.data.text import Vocabulary
 
     if family not in FAMILIES:
         raise ImportCheckpointError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    if released_acort_cache and family not in RELATION:
+        raise ImportCheckpointError(f"the released step cache is the ORT/ACORT decoder's, not {family}'s")
+    if family != "zodiac" and zodiac_gate is not None:
+        raise ImportCheckpointError(f"--gate is for zodiac checkpoints, not {family}")
     if family in RELATION:
         run = released_run_config(path)
         if run.get("num_heads") is not None and int(run["num_heads"]) != heads:
@@ -775,7 +829,8 @@ def import_checkpoint(family: str, path: str | Path, vocab_path: str | Path, *, 
             share_att_encoder=run.get("share_att_encoder"), share_att_decoder=run.get("share_att_decoder"),
             radix_base=run.get("radix_base") if family == "acort" else None,
             share_layer_encoder=run.get("share_layer_encoder"), share_layer_decoder=run.get("share_layer_decoder"))
-        model = build_imported(cfg, state)
+        model = build_imported(cfg.replace(released_acort_cache=bool(released_acort_cache)), state)
+        kept = capflow_words(kept)
         return model, Vocabulary(words=kept, counts=[0] * len(kept), radix_base=cfg.vocab_size - 3
                                  if family == "acort" else 768)
     if family == "expansionnet":
@@ -786,6 +841,7 @@ def import_checkpoint(family: str, path: str | Path, vocab_path: str | Path, *, 
     else:
         words = read_words(vocab_path)
         cfg, state, kept = convert_annotated(load_state_dict(path), family, words, heads=heads,
-                                             group_size=group_size)
+                                             group_size=group_size, zodiac_gate=zodiac_gate)
     model = build_imported(cfg, state)
+    kept = capflow_words(kept)
     return model, Vocabulary(words=kept, counts=[0] * len(kept))

@@ -9,7 +9,8 @@ One attention module covers the papers' variants as options that combine freely:
 - ZoDIAC: GELU before and after the projections, a second query projection Q2, refined attention
   ``softmax(mask(G(QK^T/sqrt(d))))`` and an intensity gate ``zoneup + phi(mean over valid keys of
   G(Q2 V^T / sqrt(d)))`` per sample, head and query (never across the batch, and never across query positions,
-  which would let a decoder position see the future);
+  which would let a decoder position see the future); ``zodiac_pool="released"`` pools as the released code
+  does for a batch of one image (see :meth:`MultiHeadAttention._released_pool`);
 - ORT geometry: an additive ``log(max(G, 1e-6))`` per head, from :class:`BoxGeometry`.
 
 Incremental decoding: ``forward(..., cache=...)`` appends the new keys/values to ``cache`` (self-attention) or
@@ -216,7 +217,7 @@ class MultiHeadAttention(nn.Module):
         if self._use_fused(q):
             out = self._fused_attention(q, k, v, mask, bias)
         else:
-            out = self._explicit_attention(query, q, k, v, mask, bias)
+            out = self._explicit_attention(query, q, k, v, mask, bias, self_attention=key is query)
         # (B, h, Tq, d_v) -> heads back to channels, group-major
         out = out.transpose(1, 2).reshape(b, tq, self.h * self.d_v)
         if self.grouped_merge:
@@ -224,8 +225,10 @@ class MultiHeadAttention(nn.Module):
         return self.o(out)
 
     def _explicit_attention(self, query: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-        """The scores materialised: ZoDIAC's refined attention and intensity gate, and the reference path."""
+                            mask: torch.Tensor | None, bias: torch.Tensor | None,
+                            self_attention: bool = False) -> torch.Tensor:
+        """The scores materialised: ZoDIAC's refined attention and intensity gate, and the reference path.
+        ``self_attention``: the keys are the queries (the released ZoDIAC pooling leaves padded regions out)."""
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.d_qk)
         if self.zodiac:
             scores = F.gelu(scores)
@@ -240,7 +243,7 @@ class MultiHeadAttention(nn.Module):
             q2 = self._split(query, self.q2, self.d_qk)
             inten = F.gelu(q2 @ v.transpose(-1, -2) / math.sqrt(self.d_qk))  # (B, h, Tq, Tk)
             if self.zodiac_pool == "released":
-                pooled = self._released_pool(inten, mask)
+                pooled = self._released_pool(inten, mask, regions=self_attention)
             elif mask is not None:
                 valid = mask.expand_as(inten)
                 pooled = (inten * valid).sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
@@ -252,17 +255,26 @@ class MultiHeadAttention(nn.Module):
         return out
 
     @staticmethod
-    def _released_pool(inten: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The released ZoDIAC code's pooling (``zodiac_pool="released"``): ONE scalar for the whole call, the sum
-        of the intensities at every (sample, head, query, valid key) divided by the number of True entries of the
-        mask as given (``(B, 1, 1, Tk)`` for memory keys, ``(B, 1, Tq, Tk)`` for the decoder's own): it mixes
-        samples (and beams) and ignores the head and query counts in the denominator. Reproduces the released
-        arithmetic for checkpoints trained with it; it needs the whole prefix every step (decode with
-        ``use_cache=False``)."""
+    def _released_pool(inten: torch.Tensor, mask: torch.Tensor | None, regions: bool = False) -> torch.Tensor:
+        """The released ZoDIAC code's pooling (``zodiac_pool="released"``) as that code computes it for a batch of
+        ONE image: per sample one scalar, the sum of the intensities at every (head, query, valid key) divided by
+        the number of True entries of the mask as given (``(1, 1, 1, Tk)`` for memory keys: the valid regions;
+        ``(1, 1, Tq, Tk)`` for the decoder's own causal mask: ``Tq (Tq + 1) / 2``), so the head and query counts
+        are missing from the denominator, as released. The released code divides one sum over the whole batch (or
+        beam) by the whole batch's mask, so there a caption depends on the other rows; here every row is computed
+        as if it were alone, whatever the batch (and rows can leave a search without changing the others).
+        ``regions``: the regions' self-attention, whose padded queries are left out as well (the released code
+        clips a lone image's regions to the valid ones). (B, h, Tq, Tk) -> (B, 1, 1, 1). The gate changes every
+        query's output as the prefix grows, so decoding re-runs the whole prefix (``use_cache=False``)."""
         if mask is None:
-            return inten.mean().reshape(1, 1, 1, 1)
+            return inten.mean(dim=(1, 2, 3), keepdim=True)
         m = mask.to(inten.dtype)
-        return ((inten * m).sum() / m.sum()).reshape(1, 1, 1, 1)
+        valid = m
+        if regions and m.shape[-2] == 1 and m.shape[-1] == inten.shape[-2]:
+            valid = m * m.transpose(-1, -2)  # (B, 1, Tq, Tk): valid query and valid key
+        num = (inten * valid).sum(dim=(1, 2, 3))
+        den = m.sum(dim=(1, 2, 3))  # per sample; one count for all when the mask has no batch dimension
+        return (num / den).reshape(-1, 1, 1, 1)
 
 
 class FeedForward(nn.Module):

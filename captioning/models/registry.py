@@ -6,13 +6,13 @@ output class; ORT: 10,001; ACORT: radix v=768 -> 771 classes; ExpansionNet: ~10k
 
 Every preset also has a ``released`` flavour, ``<name>@released`` (:func:`released`): the fidelity options of
 :class:`ArchConfig` set to reproduce the papers' released code's arithmetic (Annotated-Transformer LayerNorm for
-AIC/SATIC/ZoDIAC/ORT/ACORT; ZoDIAC's FFN without ReLU and batch-level pooling; ExpansionNet's eps 1e-9, five
-dropout sites and no cross-attention dropout; LW-Transformer's M2-shaped skeleton and per-group output
-projection; the released initialisation details). Checkpoints imported from the released code
-(:mod:`captioning.models.importers`) use these flavours. The parameters are the preset's, except for
-LW-Transformer: its released attention merges the heads with one ``Linear(d/k, d/k)`` shared by the k groups
-(``fc_o`` of ``LScaledDotProductAttention``), where the paper's counts imply a dense ``W_O``, so ``lw-*@released``
-has fewer parameters than the paper reports (see ``PAPER_PARAMS``).
+AIC/SATIC/ZoDIAC/ORT/ACORT; ZoDIAC's FFN without ReLU and its pooling, computed per image as the released code
+computes it for a batch of one; ExpansionNet's eps 1e-9, five dropout sites and no cross-attention dropout;
+LW-Transformer's M2-shaped skeleton and per-group output projection; the released initialisation details).
+Checkpoints imported from the released code (:mod:`captioning.models.importers`) use these flavours. The
+parameters are the preset's, except for LW-Transformer: its released attention merges the heads with one
+``Linear(d/k, d/k)`` shared by the k groups (``fc_o`` of ``LScaledDotProductAttention``), where the paper's counts
+imply a dense ``W_O``, so ``lw-*@released`` has fewer parameters than the paper reports (see ``PAPER_PARAMS``).
 """
 
 from __future__ import annotations

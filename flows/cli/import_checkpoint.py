@@ -45,7 +45,8 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.config, args.overrides)  # ConfigError: reported by capflow's main
     try:
         model, vocab = import_checkpoint(args.family, args.ckpt, args.vocab, heads=args.heads,
-                                         group_size=args.group_size)
+                                         group_size=args.group_size, zodiac_gate=args.gate,
+                                         released_acort_cache=args.released_acort_cache)
     except ImportCheckpointError as e:
         raise CLIError(str(e)) from None
     except ValueError as e:  # the released vocabulary does not make a capflow one (e.g. a duplicate word)
@@ -57,12 +58,16 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
                        f"match (or --set features.feature_dim={d_in})")
     folder = save_model_dir(
         out, model=model, arch=model.cfg.to_dict(), vocab=vocab, features=cfg.features.model_dump(mode="json"),
-        student=args.family, preset=f"{args.family}@released", max_words=cfg.dataset.max_words,
+        student=args.family, preset=f"{_preset_name(args)}@released", max_words=cfg.dataset.max_words,
         beam=cfg.evaluation.beam, weights_cache_dir=Workdir.of(cfg).weights_cache())
     summary: dict[str, Any] = {
         "model_dir": str(folder), "family": args.family, "checkpoint": str(args.ckpt),
         "params": sum(p.numel() for p in model.parameters()), "words": len(vocab.words),
         "layers": [model.cfg.enc_layers, model.cfg.dec_layers], "d_model": model.cfg.d_model}
+    if args.family == "zodiac":
+        summary["gate"] = args.gate
+    if args.released_acort_cache:
+        summary["released_acort_cache"] = True
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -72,6 +77,10 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
         print(f"capflow import-checkpoint: features.source={cfg.features.source!r}: capflow caption needs "
               "detector features, so it will refuse this folder", file=sys.stderr)
     return 0
+
+
+def _preset_name(args: argparse.Namespace) -> str:
+    return f"zodiac-{args.gate}" if args.family == "zodiac" else args.family
 
 
 def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -101,6 +110,13 @@ def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser]
     p.add_argument("--out", required=True, metavar="MODEL_DIR", help="the model folder to write")
     p.add_argument("--heads", type=int, default=8, help="attention heads (not stored in the weights; default 8)")
     p.add_argument("--group-size", type=int, help="satic: the group size K (not stored in the weights)")
+    p.add_argument("--gate", choices=["sigmoid", "tanh"],
+                   help="zodiac (required): the released run's --caption_model zodiac-sigmoid (ZTransformerModel) or "
+                   "zodiac-tanh (ZTransformerModel2); their weights have the same keys and shapes")
+    p.add_argument("--released-acort-cache", action="store_true",
+                   help="ort/acort: caption with the released code's step cache (one self-attention cache per shared "
+                   "decoder layer), which gives the published ACORT captions; without it the model decodes the "
+                   "function it was trained with (the released whole-prefix decoding)")
     p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     config_args(p)

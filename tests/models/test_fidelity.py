@@ -111,23 +111,37 @@ def test_zodiac_released_ffn_has_no_relu():
     torch.testing.assert_close(relu(x), relu.w2(torch.relu(relu.w1(x))))
 
 
-def test_zodiac_released_pooling_is_one_scalar_with_the_released_denominator():
+def test_zodiac_released_pooling_is_the_released_scalar_of_each_sample_alone():
+    """One scalar per sample: the released sum over heads, queries and valid keys divided by the mask's True entries,
+    as the released code computes it for a batch of one image (its regions clipped to the valid ones)."""
     torch.manual_seed(1)
     att = MultiHeadAttention(12, 2, zodiac=True, dropout=0.0, zodiac_dropout=0.0, zodiac_pool="released").eval()
     x, mem = torch.randn(2, 3, 12), torch.randn(2, 4, 12)
+    valid = [3, 2]
     mask = torch.tensor([[True, True, True, False], [True, True, False, False]])[:, None, None, :]
     g, dk = F.gelu, 6
 
     def heads(w, t):
         return g(w(g(t))).view(t.shape[0], t.shape[1], 2, dk).transpose(1, 2)
 
-    q, q2, k, v = heads(att.q, x), heads(att.q2, x), heads(att.k_proj, mem), heads(att.v, mem)
-    s = g(q @ k.transpose(-1, -2) / math.sqrt(dk)).masked_fill(~mask, -1e9)
-    inten = g(q2 @ v.transpose(-1, -2) / math.sqrt(dk))
-    pooled = (inten * mask).sum() / mask.sum()  # the whole batch; the mask's 5 True entries
-    ref = att.o(((torch.softmax(s, -1) @ v) * (1 + torch.sigmoid(pooled))).transpose(1, 2).reshape(2, 3, 12))
+    def alone(query, keys, n_q):  # the released arithmetic for one sample: no padding, one scalar
+        q, q2, k, v = heads(att.q, query), heads(att.q2, query), heads(att.k_proj, keys), heads(att.v, keys)
+        s = g(q @ k.transpose(-1, -2) / math.sqrt(dk))
+        pooled = g(q2 @ v.transpose(-1, -2) / math.sqrt(dk)).sum() / keys.shape[1]  # denominator: the valid keys
+        out = (torch.softmax(s, -1) @ v) * (1 + torch.sigmoid(pooled))
+        return att.o(out.transpose(1, 2).reshape(1, n_q, 12))
+
     with torch.no_grad():
-        torch.testing.assert_close(att(x, mem, mask, kind="cross"), ref, atol=1e-6, rtol=1e-6)
+        got = att(mem, mem, mask)  # the regions' self-attention: padded regions are neither keys nor queries
+        for b, n in enumerate(valid):
+            torch.testing.assert_close(got[b : b + 1, :n], alone(mem[b : b + 1, :n], mem[b : b + 1, :n], n),
+                                       atol=1e-6, rtol=1e-6)
+        got = att(x, mem, mask, kind="cross")  # decoder queries (all real) on each sample's valid regions
+        for b, n in enumerate(valid):
+            torch.testing.assert_close(got[b : b + 1], alone(x[b : b + 1], mem[b : b + 1, :n], 3), atol=1e-6,
+                                       rtol=1e-6)
+        # a sample's output does not depend on the others in the batch
+        torch.testing.assert_close(att(x[:1], mem[:1], mask[:1], kind="cross"), got[:1], atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="use_cache=False"):
         att(x, x, None, cache={}, kind="self")
 

@@ -48,6 +48,8 @@ def test_import_writes_a_model_folder_giving_the_released_log_probs(family, k, t
             "--heads", str(H), "--set", f"features.feature_dim={D_IN}", "--set", "dataset.max_words=12", "--json"]
     if family == "satic":
         argv += ["--group-size", str(k)]
+    if family == "zodiac":
+        argv += ["--gate", "sigmoid"]
     assert _run(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["model_dir"] == str(out) and summary["family"] == family and summary["words"] == 4

@@ -71,7 +71,8 @@ def _attn(sd, p, q_in, kv_in, mask, zodiac):
     if zodiac:
         inten = g(q2 @ v.transpose(-1, -2) / math.sqrt(dk))
         m = mask.float()
-        pooled = (inten * m).sum() / m.sum()  # the released batch-level pooling
+        # the released pooling as it runs on one sample alone (capflow's zodiac_pool="released")
+        pooled = (inten * m).sum(dim=(1, 2, 3), keepdim=True) / m.sum(dim=(1, 2, 3), keepdim=True)
         out = out * (1 + torch.sigmoid(pooled))
     return _lin(sd, f"{p}linears.{len(ins)}.", out.transpose(1, 2).reshape(b, tq, D))
 
@@ -116,7 +117,8 @@ def test_converted_model_gives_the_released_log_probs(family, k, tmp_path):
     torch.save(sd, tmp_path / "model.pth")
     (tmp_path / "cocotalk.json").write_text(json.dumps({"ix_to_word": {str(i + 1): w for i, w in enumerate(WORDS)}}))
     model, vocab = import_checkpoint(family, tmp_path / "model.pth", tmp_path / "cocotalk.json", heads=H,
-                                     group_size=k if family == "satic" else None)
+                                     group_size=k if family == "satic" else None,
+                                     zodiac_gate="sigmoid" if zodiac else None)
     assert vocab.words == ["a", "dog", "runs", "cat"] and model.cfg.layer_norm == "annotated"
     torch.manual_seed(1)
     feats = torch.randn(2, 3, D_IN)
