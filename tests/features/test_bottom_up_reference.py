@@ -189,3 +189,15 @@ def test_extract_into_a_store_and_resume(port, external, tmp_path):
     assert s.verify().ok
     again = extract_features(cfg, ds, workers=0, progress=False)
     assert again.extracted == 0
+
+
+def test_given_boxes_give_the_reference_features(port, external):
+    """Features of given (relative) boxes: the kept boxes fed back give the reference's pooled features."""
+    images = [port.image(external, i) for i in range(port.n)]
+    given = []
+    for i in range(port.n):
+        H, W = (int(v) for v in port[f"img{i}_image_size"])
+        given.append(port[f"img{i}_boxes_t02"] / np.array([W, H, W, H], dtype=np.float32))
+    for i, r in enumerate(port.ex.extract_given(images, given)):
+        keep = port[f"img{i}_keep_t02"]
+        close(r.features, port[f"img{i}_pooled"][keep], f"image {i} features of given boxes")
