@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,18 @@ def store_key(f: FeaturesConfig) -> str:
         "compressor": f.compressor,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_layout(ex: ExtractorConfig) -> dict[str, Any]:
+    """The bottom-up layout of the configured weights, as recognised from the file (checked before any worker
+    starts, so a wrong file fails the run at once); the released layout for random weights."""
+    from captioning.features.bottom_up import default_layout, recognise_layout
+    from captioning.features.weights import default_cache_dir, read_checkpoint, resolve
+
+    if ex.weights is None:
+        return {**default_layout(ex.flavour).describe(), "random_init": True}
+    path, _ = resolve(ex.weights, ex.weights_sha256, default_cache_dir())
+    return recognise_layout(read_checkpoint(path)["model"], expect=ex.flavour).describe()
 
 
 def store_extras(f: FeaturesConfig) -> tuple[str, ...]:
@@ -336,7 +349,8 @@ def prepare_store(cfg: PipelineConfig, ds: Dataset, uri: str | None = None, desc
 
         attrs["bottom_up"] = {"flavour": f.extractor.flavour,
                               "options": resolved_options(f.extractor.flavour, f.extractor.bottom_up),
-                              "deviations": deviations(f.extractor.flavour, f.extractor.bottom_up)}
+                              "deviations": deviations(f.extractor.flavour, f.extractor.bottom_up),
+                              "layout": checkpoint_layout(f.extractor)}
     if describe:
         attrs["extractor_runtime"] = describe
     store = FeatureStore.create(uri, ids, max_boxes=f.max_boxes, feature_dim=f.feature_dim,
@@ -403,6 +417,11 @@ class ExtractResult:
             "verified": self.verified,
             "seconds": self.seconds,
         }
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute (against this process's working directory); a URI (``s3://``...) as it is."""
+    return path if "://" in path else os.path.abspath(path)
 
 
 def local_cluster(workers: int, threads_per_worker: int = 1, gpus: int | None = None):
@@ -480,10 +499,15 @@ def extract_features(
     # automatic settings are resolved here, where the store is named, not on each worker
     from captioning.features.extractor import effective_config
 
-    ex_json = effective_config(f.extractor).model_dump_json()
+    ex = effective_config(f.extractor)
+    # every local path a chunk task reads is absolute: a worker of an external cluster has its own working directory
+    ex = ex.model_copy(update={"weights": _absolute(ex.weights)}) if ex.weights else ex
+    ex_json = ex.model_dump_json()
     n_workers = f.workers if workers is None else workers
     threads = threads_per_worker or f.extractor.threads
-    args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, str(Workdir.of(cfg).weights_cache()))
+    args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, _absolute(str(Workdir.of(cfg).weights_cache())))
+    todo = [(c, [(row, _absolute(path)) for row, path in items]) for c, items in todo]
+    uri = _absolute(store.uri)
     skipped = store.num_chunks - len(todo)
     extracted = 0
     bar = tqdm(total=sum(len(items) for _, items in todo), desc="extracting", unit="img", disable=not progress)
@@ -516,8 +540,8 @@ def extract_features(
                 gpu = _gpu_resources(client)
                 resources = {"GPU": 1} if gpu else None
                 n = max(1, len(client.scheduler_info().get("workers", {})))
-                futures = [client.submit(extract_chunks, store.uri, group, *args,
-                                         key=f"extract-{store.uri}-{group[0][0]}-{group[-1][0]}",
+                futures = [client.submit(extract_chunks, uri, group, *args,
+                                         key=f"extract-{uri}-{group[0][0]}-{group[-1][0]}",
                                          resources=resources, pure=False)
                            for group in _groups(todo, _chunks_per_task(len(todo), n, gpu))]
                 for fut in as_completed(futures):

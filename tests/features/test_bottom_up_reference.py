@@ -177,6 +177,7 @@ def test_extract_into_a_store_and_resume(port, external, tmp_path):
     assert s.extras == ("object_id", "object_conf", "attr_id", "attr_conf", "boxes_px")
     b = s.read_block(0, s.num_rows)
     assert s.attrs["bottom_up"]["flavour"] == port.port and s.attrs["bottom_up"]["deviations"] == {}
+    assert s.attrs["bottom_up"]["layout"] == port.ex.layout.describe()
     for i in range(port.n):
         keep = port[f"img{i}_keep_t02"]
         n = int(b.num_boxes[i])
