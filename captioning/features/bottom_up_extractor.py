@@ -19,6 +19,7 @@ from captioning.features.bottom_up import (
     BottomUpDetector,
     BottomUpStages,
     caffe_preprocess,
+    caffe_scale,
     default_layout,
     deviations,
     load_state,
@@ -89,8 +90,6 @@ class BottomUpExtractor(RegionExtractor):
     def _resized_shape(self, image: np.ndarray) -> tuple[int, int]:
         if self.opts["resize"] != "caffe":
             return super()._resized_shape(image)
-        from captioning.features.bottom_up import caffe_scale
-
         h, w = image.shape[:2]
         s = caffe_scale(h, w, self.cfg.min_size, self.cfg.max_size)
         return round(h * s), round(w * s)
@@ -116,9 +115,7 @@ class BottomUpExtractor(RegionExtractor):
         h, w = shape
         H, W = image_size
         if self.opts["resize"] == "caffe":
-            from captioning.features.bottom_up import caffe_scale
-
-            return boxes / caffe_scale(H, W, self.cfg.min_size, self.cfg.max_size)
+                return boxes / caffe_scale(H, W, self.cfg.min_size, self.cfg.max_size)
         out = boxes.clone()
         out[:, 0::2] *= W / w
         out[:, 1::2] *= H / h
@@ -138,9 +135,7 @@ class BottomUpExtractor(RegionExtractor):
             r4 = res4[j : j + 1]
             im_scale = float(p.shape[0]) / float(p.image_size[0])
             if self.opts["resize"] == "caffe":
-                from captioning.features.bottom_up import caffe_scale
-
-                im_scale = caffe_scale(p.image_size[0], p.image_size[1], self.cfg.min_size, self.cfg.max_size)
+                        im_scale = caffe_scale(p.image_size[0], p.image_size[1], self.cfg.min_size, self.cfg.max_size)
             props = self.stages.proposals(r4, p.shape, im_scale)
             self._mark("rpn")
             pooled, cls_prob, attr_prob = self.stages.head(r4, props.boxes)
@@ -190,18 +185,10 @@ class BottomUpExtractor(RegionExtractor):
     # ------------------------------------------------------------------ given boxes
     def extract_given(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[Regions]:
         """Features and best class scores of given boxes ((n, 4) relative x1, y1, x2, y2), in their order."""
-        self._check_images(images)
-        if len(boxes) != len(images):
-            raise ValueError(f"{len(images)} images but {len(boxes)} box arrays")
+        rel_boxes = self._given_boxes(images, boxes)
         out: list[Regions] = []
         with torch.inference_mode():
-            for i, (im, b) in enumerate(zip(images, boxes, strict=True)):
-                b = np.asarray(b, dtype=np.float32)
-                if b.ndim != 2 or b.shape[1] != 4 or not np.all(np.isfinite(b)):
-                    raise ValueError(f"boxes {i}: expected a finite (n, 4) array, got shape {b.shape}")
-                b = np.clip(b, 0.0, 1.0)
-                if np.any(b[:, 2] < b[:, 0]) or np.any(b[:, 3] < b[:, 1]):
-                    raise ValueError(f"boxes {i}: need x1 <= x2 and y1 <= y2")
+            for i, (im, b) in enumerate(zip(images, rel_boxes, strict=True)):
                 p = self.prepare(im, i)
                 h, w = p.shape
                 res4 = self.stages.backbone(self.network_input(p)[None])

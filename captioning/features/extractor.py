@@ -852,12 +852,12 @@ class RegionExtractor:
                 raise r
         return [out[i] for i in range(len(images))]  # type: ignore[misc]
 
-    def extract_given(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[Regions]:
-        """Features and best class scores of the given boxes ((n, 4) relative x1, y1, x2, y2), in their order."""
+    def _given_boxes(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[np.ndarray]:
+        """The images checked and each image's boxes as a finite (n, 4) float32 array clipped to [0, 1]."""
         self._check_images(images)
         if len(boxes) != len(images):
             raise ValueError(f"{len(images)} images but {len(boxes)} box arrays")
-        rel_boxes = []
+        out = []
         for i, b in enumerate(boxes):
             b = np.asarray(b, dtype=np.float32)
             if b.ndim != 2 or b.shape[1] != 4 or not np.all(np.isfinite(b)):
@@ -865,7 +865,12 @@ class RegionExtractor:
             b = np.clip(b, 0.0, 1.0)
             if np.any(b[:, 2] < b[:, 0]) or np.any(b[:, 3] < b[:, 1]):
                 raise ValueError(f"boxes {i}: need x1 <= x2 and y1 <= y2")
-            rel_boxes.append(b)
+            out.append(b)
+        return out
+
+    def extract_given(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[Regions]:
+        """Features and best class scores of the given boxes ((n, 4) relative x1, y1, x2, y2), in their order."""
+        rel_boxes = self._given_boxes(images, boxes)
         from detectron2.structures import Boxes
 
         out: list[Regions | None] = [None] * len(images)
