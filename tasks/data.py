@@ -101,35 +101,56 @@ def extract(rc: RunContext, data: DatasetRef, *, uri: str | None = None, workers
                                                report=report))
 
 
-def import_features(rc: RunContext, att_dir: Path, box_dir: Path, *, uri: str | None = None,
-                    overwrite: bool = False) -> FeaturesRef:
-    """Per-image ``.npy`` features -> a feature store in the feature-store folder (``imported-<digest>.zarr``:
-    named by the source folders and the image ids), recorded as the ``extract`` stage's result so that
-    ``capflow vocab`` / ``capflow train`` use it. Image ids come from dataset.annotations when set, else from the
-    file names."""
-    from captioning.data.prepare import image_sizes, import_npy_features
+def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path | None = None, *,
+                    source: Path | None = None, fmt: str = "auto", boxes: str = "auto",
+                    tsv_fields: list[str] | None = None, image_sizes_files: list[Path] | None = None,
+                    uri: str | None = None, overwrite: bool = False) -> FeaturesRef:
+    """Region features another tool wrote (:mod:`captioning.data.imports`: ruotianluo npy/npz/LMDB, butd TSV, M2
+    HDF5, MILVLG npz; ``source`` a file or folder, or the ruotianluo folders ``att_dir`` + ``box_dir``) -> a
+    feature store in the feature-store folder (``imported-<digest>.zarr``: named by the sources and the image ids),
+    recorded as the ``extract`` stage's result so that ``capflow vocab`` / ``capflow train`` use it. With
+    dataset.annotations the dataset's images are the rows (records of other images are rejected rows) and their
+    files' sizes make pixel boxes relative; ``image_sizes_files`` (COCO-format JSON) add sizes. Raises
+    :class:`captioning.data.imports.FeatureImportError` for a source that cannot be read or options that do not
+    fit it."""
+    from captioning.data.imports import RuotianluoSource, import_source, imported_uri, read_image_sizes, resolve
+    from captioning.data.prepare import image_sizes
     from captioning.features.parallel import imported_store_uri
 
     cfg = rc.cfg
+    spec = resolve(fmt, source, att=att_dir, box=box_dir, boxes=boxes, tsv_fields=tsv_fields)
     sizes: dict[int, tuple[int, int]] = {}
+    for p in image_sizes_files or ():
+        sizes.update(read_image_sizes(p))
     data: DatasetRef | None = None
+    ids: list[int] | None = None
     if cfg.dataset.annotations:
         data = ingest(rc)
         ds = Dataset.load(data.path)
         ids = [e.image_id for e in ds.images]
-        sizes = image_sizes(ds)
-    else:
-        ids = sorted(int(p.stem) for p in att_dir.glob("*.npy") if p.stem.isdigit())
-        if not ids:
-            raise MissingStageError(f"no <image_id>.npy files in {att_dir}")
+        sizes.update(image_sizes(ds))  # the image files themselves win over a sizes file
     f = cfg.features
-    uri = uri or imported_store_uri(cfg, att_dir, box_dir, ids)
-    store = import_npy_features(att_dir, box_dir, ids, uri, max_boxes=f.max_boxes, feature_dim=f.feature_dim,
-                                chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor,
-                                image_sizes=sizes, overwrite=overwrite, progress=rc.progress)
-    summary = store.summary()
-    ref = FeaturesRef(run_id="", uri=uri, digest=store.manifest()["digest"], ok=summary["ok"],
-                      rejected=len(summary["rejected"]), source="import-npy", report={"rejected": summary["rejected"]})
+    if uri is None:
+        if spec.format == "npy":  # the name earlier capflow versions gave this import
+            assert spec.att is not None and spec.box is not None
+            name_ids = ids if ids is not None else sorted(
+                int(p.stem) for p in spec.att.glob("*.npy") if p.stem.isdigit())
+            if not name_ids:
+                raise MissingStageError(f"no <image_id>.npy files in {spec.att}")
+            uri = imported_store_uri(cfg, spec.att, spec.box, name_ids)
+        else:
+            uri = imported_uri(cfg.feature_store_uri(), spec, ids, {k: getattr(f, k) for k in (
+                "max_boxes", "feature_dim", "chunk_rows", "dtype", "compressor")})
+    src = spec.open(max_boxes=f.max_boxes, feature_dim=f.feature_dim)
+    attrs = ({"att_dir": str(spec.att), "box_dir": str(spec.box)} if isinstance(src, RuotianluoSource) else {})
+    res = import_source(src, uri, image_ids=ids, sizes=sizes, max_boxes=f.max_boxes, feature_dim=f.feature_dim,
+                        chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor, overwrite=overwrite,
+                        progress=rc.progress, attrs=attrs)
+    summary = res.store.summary()
+    ref = FeaturesRef(run_id="", uri=uri, digest=res.store.manifest()["digest"], ok=summary["ok"],
+                      rejected=len(summary["rejected"]), source=f"import-{spec.format}",
+                      report={"format": spec.format, "records": res.records, "reject_kinds": res.reasons,
+                              "rejected": summary["rejected"]})
     key = stage_key("extract", dataset=data.digest if data else None, store=uri, source=ref.source)
     return rc.done("extract", key, ref)
 

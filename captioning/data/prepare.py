@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from tqdm.auto import tqdm
 
 from captioning.config import PipelineConfig
 from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, read_karpathy
-from captioning.data.stores import OK, REJECTED, FeatureStore, LabelStore
+from captioning.data.stores import FeatureStore, LabelStore
 from captioning.data.text import Vocabulary, build_vocabulary
 from captioning.workdir import Workdir
 
@@ -81,26 +81,27 @@ def build_labels(
     dataset's own order, which is the order a feature store built from it uses)."""
     if image_rows is None:
         image_rows = {e.image_id: i for i, e in enumerate(ds.images)}
-    caps = [(e, c) for e in ds.images for c in e.captions]
-    m = len(caps)
-    tokens = np.zeros((m, max_words), np.int32)
-    length = np.zeros(m, np.int16)
-    rows = np.zeros(m, np.int32)
-    ids = np.zeros(m, np.int64)
-    split = np.zeros(m, np.int8)
-    missing = set()
-    for k, (e, c) in enumerate(caps):
-        if e.image_id not in image_rows:
-            missing.add(e.image_id)
-            continue
-        w = vocab.encode(c.split()[:max_words])
-        tokens[k, : len(w)] = w
-        length[k] = len(w)
-        rows[k] = image_rows[e.image_id]
-        ids[k] = e.image_id
-        split[k] = SPLIT_CODES[e.split]
+    missing = {e.image_id for e in ds.images if e.image_id not in image_rows}
     if missing:
         raise DatasetError(f"{len(missing)} images have no feature-store row, e.g. {sorted(missing)[:5]}")
+    n = len(ds.images)
+    per_image = np.fromiter((len(e.captions) for e in ds.images), np.int64, n)
+    m = int(per_image.sum())
+    rows = np.repeat(np.fromiter((image_rows[e.image_id] for e in ds.images), np.int32, n), per_image)
+    ids = np.repeat(np.fromiter((e.image_id for e in ds.images), np.int64, n), per_image)
+    split = np.repeat(np.fromiter((SPLIT_CODES[e.split] for e in ds.images), np.int8, n), per_image)
+    tokens = np.zeros((m, max_words), np.int32)
+    length = np.zeros(m, np.int16)
+    k = 0
+    block = 4096  # images per pass: the words of a block as Python strings at a time, not those of the dataset
+    for b in range(0, n, block):
+        words = [c.split()[:max_words] for e in ds.images[b: b + block] for c in e.captions]
+        lens = np.fromiter(map(len, words), np.int64, len(words))
+        flat = vocab.encode_flat(chain.from_iterable(words), int(lens.sum()))
+        at = np.repeat(np.arange(k, k + len(words)), lens)
+        tokens[at, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+        length[k: k + len(words)] = lens
+        k += len(words)
     return LabelStore.create(
         uri, tokens, length, rows, ids, split, overwrite=overwrite,
         attrs={"dataset_digest": ds.digest, "vocab_digest": vocab.digest()},
@@ -111,10 +112,10 @@ def vocab_and_labels(cfg: PipelineConfig, ds: Dataset, image_rows: dict[int, int
                      out: str | Path | None = None) -> LabelResult:
     """Vocabulary from the train split -> ``<out>/vocab.json`` and ``<out>/labels.zarr`` (default out: the vocab
     stage's folder for this dataset, :meth:`captioning.workdir.Workdir.stage_dir`)."""
-    train = list(ds.captions("train"))
-    if not train:
+    if not any(e.captions for e in ds.images if e.split == "train"):
         raise DatasetError("the dataset has no train captions to build a vocabulary from")
-    vocab = build_vocabulary(train, cfg.vocab.min_count, cfg.vocab.radix_base)
+    # counted as they are split (a list of every train caption's words would be the largest object of the stage)
+    vocab = build_vocabulary(ds.captions("train"), cfg.vocab.min_count, cfg.vocab.radix_base)
     out = Path(out) if out is not None else Workdir.of(cfg).stage_dir("vocab", ds.digest)
     vocab_path = vocab.save(out / "vocab.json")
     uri = str(out / "labels.zarr")
@@ -138,47 +139,17 @@ def import_npy_features(
     progress: bool = False,
 ) -> FeatureStore:
     """Per-image ``.npy`` features (``att_dir/{id}.npy`` N x D, ``box_dir/{id}.npy`` N x 4 relative boxes)
-    -> a feature store. Missing/malformed files are rejected rows with a reason, never silently dropped."""
+    -> a feature store whose rows are ``image_ids`` (in that order; files of other images follow as rejected
+    rows). Missing/malformed files are rejected rows with a reason, never silently dropped. The other formats:
+    :mod:`captioning.data.imports`."""
+    from captioning.data.imports import RuotianluoSource, import_source
+
     att_dir, box_dir = Path(att_dir), Path(box_dir)
-    store = FeatureStore.create(
-        uri, image_ids, max_boxes=max_boxes, feature_dim=feature_dim, chunk_rows=chunk_rows, dtype=dtype,
-        compressor=compressor, overwrite=overwrite,
-        attrs={"source": "import-npy", "att_dir": str(att_dir), "box_dir": str(box_dir)},
-    )
-    sizes = image_sizes or {}
-    for c in tqdm(range(store.num_chunks), desc="importing", disable=not progress, unit="chunk"):
-        start, stop = store.chunk_range(c)
-        n = stop - start
-        feats = np.zeros((n, max_boxes, feature_dim), np.float32)
-        boxes = np.zeros((n, max_boxes, 4), np.float32)
-        nb = np.zeros(n, np.int16)
-        size = np.full((n, 2), -1, np.int32)
-        status = np.full(n, OK, np.int8)
-        reasons = [""] * n
-        for k, iid in enumerate(image_ids[start:stop]):
-            try:
-                f = np.load(att_dir / f"{iid}.npy", allow_pickle=False)
-                b = np.load(box_dir / f"{iid}.npy", allow_pickle=False)
-                if f.ndim != 2 or f.shape[1] != feature_dim:
-                    raise ValueError(f"features have shape {f.shape}, expected (N, {feature_dim})")
-                if b.shape != (f.shape[0], 4):
-                    raise ValueError(f"boxes have shape {b.shape}, expected ({f.shape[0]}, 4)")
-                if f.shape[0] > max_boxes:
-                    raise ValueError(f"{f.shape[0]} boxes > max_boxes={max_boxes}")
-                if not (np.all(np.isfinite(f)) and np.all(np.isfinite(b))):
-                    raise ValueError("non-finite values")
-            except (OSError, ValueError) as e:
-                status[k], reasons[k] = REJECTED, f"cannot import features: {e}"
-                log.warning("image %s: %s", iid, reasons[k])
-                continue
-            nb[k] = f.shape[0]
-            feats[k, : f.shape[0]] = f
-            boxes[k, : f.shape[0]] = b
-            if iid in sizes:
-                size[k] = sizes[iid]
-        store.write_rows(start, features=feats, boxes=boxes, num_boxes=nb, image_size=size, status=status,
-                         reject_reason=reasons)
-    return store
+    source = RuotianluoSource(att_dir, box_dir, fmt="npy", boxes="relative")
+    return import_source(source, uri, image_ids=image_ids, sizes=image_sizes, max_boxes=max_boxes,
+                         feature_dim=feature_dim, chunk_rows=chunk_rows, dtype=dtype, compressor=compressor,
+                         overwrite=overwrite, progress=progress,
+                         attrs={"att_dir": str(att_dir), "box_dir": str(box_dir)}).store
 
 
 def image_sizes(ds: Dataset) -> dict[int, tuple[int, int]]:

@@ -65,32 +65,50 @@ def cmd_vocab(args: argparse.Namespace) -> int:
 
 
 def cmd_import_features(args: argparse.Namespace) -> int:
+    from captioning.data.imports import FORMATS, FeatureImportError
+    from captioning.data.stores import FeatureStore
     from tasks.data import MissingStageError, import_features
 
-    root = Path(args.npy_root) if args.npy_root else None
-    att = Path(args.att_dir) if args.att_dir else (root / "cocobu_att" if root else None)
-    box = Path(args.box_dir) if args.box_dir else (root / "cocobu_box_relative" if root else None)
-    if att is None or box is None:
-        raise CLIError("give --npy-root (with cocobu_att/ and cocobu_box_relative/) or --att-dir and --box-dir")
-    for d in (att, box):
-        if not d.is_dir():
-            raise CLIError(f"{d} is not a folder")
+    source = Path(args.source) if args.source else None
+    att = Path(args.att_dir) if args.att_dir else None
+    box = Path(args.box_dir) if args.box_dir else None
+    if args.npy_root:
+        if source is not None:
+            raise CLIError("give the source once: as SOURCE or as --npy-root")
+        root = Path(args.npy_root)
+        if not root.is_dir():
+            raise CLIError(f"{root} is not a folder")
+        source = root
+    if source is None and (att is None or box is None):
+        raise CLIError("give the features to import: a SOURCE file or folder (--format: "
+                       f"{', '.join(FORMATS)}), or --npy-root (with cocobu_att/ and cocobu_box_relative/), or "
+                       "--att-dir and --box-dir")
+    if source is None:
+        for d in (att, box):
+            if d is not None and not d.exists():
+                raise CLIError(f"{d} is not a folder")
     try:
-        ref = import_features(local_context(args, progress=not args.json), att, box, uri=args.out,
+        ref = import_features(local_context(args, progress=not args.json), att, box, source=source, fmt=args.format,
+                              boxes=args.boxes, tsv_fields=args.tsv_fields.split(",") if args.tsv_fields else None,
+                              image_sizes_files=[Path(p) for p in args.image_sizes or ()], uri=args.out,
                               overwrite=args.overwrite)
-    except MissingStageError as e:
+    except (MissingStageError, FeatureImportError) as e:
         raise CLIError(str(e)) from None
-    from captioning.data.stores import FeatureStore
-
     summary = FeatureStore.open(ref.uri).summary()
     if args.json:
-        print_json({**summary, "store": ref.uri})
+        print_json({**summary, "store": ref.uri, "format": ref.report["format"], "records": ref.report["records"],
+                    "reject_kinds": ref.report["reject_kinds"]})
     else:
-        print(f"imported {summary['ok']} of {summary['images']} images into {ref.uri} "
-              f"(boxes min {summary['boxes']['min']} mean {summary['boxes']['mean']:.1f} "
-              f"max {summary['boxes']['max']}); rejected {len(summary['rejected'])}")
-        for r in summary["rejected"]:
+        print(f"imported {summary['ok']} of {summary['images']} images ({ref.report['format']}, "
+              f"{ref.report['records']} records) into {ref.uri} (boxes min {summary['boxes']['min']} mean "
+              f"{summary['boxes']['mean']:.1f} max {summary['boxes']['max']}); rejected {len(summary['rejected'])}"
+              + (" (" + ", ".join(f"{k}: {v}" for k, v in ref.report["reject_kinds"].items()) + ")"
+                 if summary["rejected"] else ""))
+        shown = summary["rejected"][:20]
+        for r in shown:
             print(f"  image_id={r['image_id']}: {r['reason']}")
+        if len(summary["rejected"]) > len(shown):
+            print(f"  ... and {len(summary['rejected']) - len(shown)} more (all of them: --json)")
     return 0
 
 
@@ -160,16 +178,35 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--json", action="store_true", help="print a JSON summary")
     v.set_defaults(func=cmd_vocab)
 
-    f = sub.add_parser("import-features", help="import per-image .npy features into a feature store",
-                       description=("Import bottom-up features in the per-image .npy layout (cocobu_att/{id}.npy, "
-                                    "cocobu_box_relative/{id}.npy) into a Zarr feature store in the feature-store "
-                                    "folder (features.store), recorded so that `capflow vocab` and `capflow train` "
-                                    "use it. Image ids come from dataset.annotations when set, else from the file "
-                                    "names."))
+    f = sub.add_parser("import-features", help="import bottom-up features (npy, npz, LMDB, TSV, HDF5) into a "
+                       "feature store", description=(
+                           "Import region features that other tools wrote into a Zarr feature store in the "
+                           "feature-store folder (features.store), recorded so that `capflow vocab` and `capflow "
+                           "train` use it. Formats: npy/npz/lmdb (ruotianluo: cocobu_att/{id}.npy|.npz or "
+                           "cocobu_att.lmdb, with cocobu_box_relative/ or cocobu_box/), butd-tsv (bottom-up-attention "
+                           "generate_tsv.py: 6 fields, or 10 with objects and attributes), m2-hdf5 "
+                           "(coco_detections.hdf5), milvlg-npz (one .npz per image); --format auto detects it from "
+                           "the path. Image ids come from dataset.annotations when set (its images are the rows), "
+                           "else from the source. Every malformed record is a rejected row with its reason."))
     config_args(f)
-    f.add_argument("--npy-root", help="folder holding cocobu_att/ and cocobu_box_relative/")
-    f.add_argument("--att-dir", help="folder of {image_id}.npy region features (N x D)")
-    f.add_argument("--box-dir", help="folder of {image_id}.npy relative boxes (N x 4)")
+    f.add_argument("source", nargs="?", help="file or folder to import (a TSV file or folder of them, an HDF5 file, "
+                   "a folder of MILVLG .npz files, a folder holding cocobu_att/ and cocobu_box*/)")
+    f.add_argument("--format", default="auto", choices=["auto", "npy", "npz", "lmdb", "butd-tsv", "m2-hdf5",
+                                                        "milvlg-npz"],
+                   help="source format (default auto: from the path; an error names the candidates if it is "
+                   "ambiguous)")
+    f.add_argument("--npy-root", help="folder holding cocobu_att/ and cocobu_box_relative/ (same as SOURCE)")
+    f.add_argument("--att-dir", help="folder (or .lmdb) of {image_id}.npy|.npz region features (N x D)")
+    f.add_argument("--box-dir", help="folder (or .lmdb) of {image_id}.npy boxes (N x 4)")
+    f.add_argument("--boxes", default="auto", choices=["auto", "relative", "pixels"],
+                   help="npy/npz/lmdb boxes: relative (x/w, y/h) or original pixels (default auto: pixels for a "
+                   "folder named cocobu_box, relative otherwise)")
+    f.add_argument("--tsv-fields", metavar="NAMES", help="butd-tsv: comma-separated field order, e.g. "
+                   "img_id,img_h,img_w,objects_id,objects_conf,attrs_id,attrs_conf,num_boxes,boxes,features "
+                   "(default: from a header line or the field count: 6 = bottom-up, 10 = LXMERT order)")
+    f.add_argument("--image-sizes", metavar="JSON", action="append",
+                   help="COCO-format annotation file (images: id, width, height) giving image sizes, for pixel "
+                   "boxes of sources that do not state them (m2-hdf5, cocobu_box); repeatable")
     f.add_argument("--out", metavar="URI", help="store to write (default: <features.store>/imported-<digest>.zarr)")
     f.add_argument("--overwrite", action="store_true", help="replace an existing store")
     f.add_argument("--json", action="store_true", help="print a JSON summary")
