@@ -2,8 +2,10 @@
 
 ``models:/NAME@ALIAS`` (e.g. ``models:/capflow-captioner@champion``) and ``models:/NAME/VERSION`` are looked up
 in the MLflow model registry at the given tracking URI (default: ``MLFLOW_TRACKING_URI``, else the pipeline's
-embedded default for the default config, :func:`tasks.tracking.tracking_uri`). A version's source is the
-``model`` artifact folder of its student run (``runs:/<run>/model``); it is downloaded once into a local cache
+embedded default for the default config, :func:`tasks.tracking.tracking_uri`). A version's source is an MLflow
+Model (``models:/<model_id>``, :mod:`tasks.mlflow_models`: the capflow folder is its ``artifacts/model``) or, for
+versions registered before capflow logged MLflow Models, the ``model`` artifact folder of its student run
+(``runs:/<run>/model``); the capflow folder is downloaded once into a local cache
 (``CAPFLOW_MODEL_CACHE``, default ``~/.cache/capflow/models``), one folder per tracking store, model, version
 and run, so later calls read nothing from the server but the alias lookup.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from captioning.training.checkpoint import META_FILE, MODEL_FILE, VOCAB_FILE
+from tasks.mlflow_models import capflow_folder
 
 DEFAULT_MODEL = "models:/capflow-captioner@champion"
 MODEL_FILES = (MODEL_FILE, VOCAB_FILE, META_FILE)
@@ -140,6 +143,12 @@ def resolve_model(ref: str, tracking_uri: str | None = None, cache_dir: str | Pa
     source = mv.source or (f"runs:/{mv.run_id}/model" if mv.run_id else "")
     if not source:
         raise ModelResolveError(f"{name} v{mv.version} in {uri} has neither a source nor a run to download from")
+    if source.startswith("models:/"):  # an MLflow Model (LoggedModel): its stored location, read with this client
+        try:
+            source = client.get_model_version_download_uri(name, str(mv.version))
+        except Exception as e:
+            raise ModelResolveError(f"cannot locate {name} v{mv.version} ({mv.source}) in {uri}: "
+                                    f"{type(e).__name__}: {e}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
     try:
@@ -152,6 +161,7 @@ def resolve_model(ref: str, tracking_uri: str | None = None, cache_dir: str | Pa
                                     f"{type(e).__name__}: {e}") from None
         if got.is_file():
             got = got.parent
+        got = capflow_folder(got) or got  # an MLflow Model holds the capflow folder among its artifacts
         if not _complete(got):
             lacks = [f for f in MODEL_FILES if not (got / f).is_file()]
             raise ModelResolveError(f"{name} v{mv.version} ({source}) is not a capflow model folder: it lacks "

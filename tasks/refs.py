@@ -136,3 +136,5 @@ class Promotion(Ref):
     candidate_version: str | None = None
     candidate_cider: float | None = None
     previous_version: str | None = None
+    champion_cider: float | None = None  # the previous champion's test CIDEr on this run's test set
+    rescored: str | None = None  # how the previous champion was scored on this run's test set, when it was

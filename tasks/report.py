@@ -1,19 +1,22 @@
 """Pipeline tasks after training: the leaderboard (table + CIDEr-vs-size/latency plot) and promotion of the best
-student to the registry's ``champion`` alias - only if it beats the current champion on the same test set."""
+student to the registry's ``champion`` alias - only if it beats the current champion on the same test set (a
+champion scored on another test set is re-scored on this run's first)."""
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 
+from captioning.config import FeaturesConfig
 from captioning.data.karpathy import Dataset
 from captioning.metrics.evaluation import most_frequent_caption
 from tasks.common import RunContext, log
 from tasks.data import RETRY
-from tasks.refs import DatasetRef, Promotion, StudentFailure, StudentResult
+from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, Promotion, StudentFailure, StudentResult
 
 COLUMNS = ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
 
@@ -71,9 +74,12 @@ def baseline_of(data: DatasetRef) -> dict[str, Any]:
 
 
 def decide_promotion(best: dict[str, Any] | None, current_version: str | None, current_tags: dict[str, str],
-                     test_set: str) -> Promotion:
+                     test_set: str, rescored: Mapping[str, Any] | None = None) -> Promotion:
     """Whether the run's best student (a leaderboard row) takes the ``champion`` alias: only when there is no
-    champion, the champion was scored on another test set, or the best beats it on this one (ties keep it)."""
+    champion or the best beats it on this run's test set (ties keep it). A champion scored on another test set is
+    compared by ``rescored``, its score on this one (:func:`rescore_champion`: ``{"CIDEr", "how"}``); when it
+    could not be re-scored (``{"error": why}``, or None) the best takes the alias and the reason says why it was
+    not compared."""
     if best is None:
         return Promotion(changed=False, reason="no student finished", champion_version=current_version,
                          previous_version=current_version)
@@ -82,14 +88,110 @@ def decide_promotion(best: dict[str, Any] | None, current_version: str | None, c
           "previous_version": current_version}
     if current_version is not None and current_version == best["model_version"]:
         return Promotion(changed=False, reason="already champion", champion_version=current_version, **kw)
-    same_set = current_version is not None and current_tags.get("test_set") == test_set
-    if same_set and float(current_tags.get("test_CIDEr") or 0.0) >= cider:
+    if current_version is None:
+        return Promotion(changed=True, reason="no champion yet", champion_version=best["model_version"], **kw)
+    cur = f"v{current_version}"
+    if current_tags.get("test_set") == test_set:
+        champ = float(current_tags.get("test_CIDEr") or 0.0)
+        kw["champion_cider"] = champ
+        if champ >= cider:
+            return Promotion(changed=False, champion_version=current_version, **kw,
+                             reason=f"current champion {cur} scores {champ:.4f} >= {cider:.4f} on the same test set")
+        return Promotion(changed=True, reason="better than the current champion",
+                         champion_version=best["model_version"], **kw)
+    if rescored is None or rescored.get("CIDEr") is None:
+        why = (rescored or {}).get("error") or "not re-scored"
+        return Promotion(changed=True, champion_version=best["model_version"], **kw,
+                         reason=f"current champion {cur} was scored on another test set and could not be scored on "
+                                f"this one ({why}): promoted without a comparison")
+    champ, how = float(rescored["CIDEr"]), str(rescored.get("how") or "re-scored")
+    kw.update(champion_cider=champ, rescored=how)
+    if champ >= cider:
         return Promotion(changed=False, champion_version=current_version, **kw,
-                         reason=f"current champion v{current_version} scores "
-                                f"{float(current_tags['test_CIDEr']):.4f} >= {cider:.4f} on the same test set")
-    reason = ("no champion yet" if current_version is None else "better than the current champion" if same_set
-              else "current champion was scored on another test set")
-    return Promotion(changed=True, reason=reason, champion_version=best["model_version"], **kw)
+                         reason=f"current champion {cur}, scored on another test set, re-scored on this one ({how}): "
+                                f"{champ:.4f} >= {cider:.4f}")
+    return Promotion(changed=True, champion_version=best["model_version"], **kw,
+                     reason=f"better than the current champion {cur} re-scored on this test set ({how}): "
+                            f"{cider:.4f} > {champ:.4f}")
+
+
+def same_features(a: FeaturesConfig, b: FeaturesConfig) -> bool:
+    """Whether a model trained on features of settings ``a`` sees exactly the features of a store of settings
+    ``b``: the same source and, for the detector, the same store key (extractor settings and weights identity)."""
+    if a.source != b.source:
+        return False
+    if a.source == "detector":
+        from captioning.features.parallel import store_key
+
+        try:
+            return store_key(a) == store_key(b)
+        except OSError:  # weights without a recorded sha256 that cannot be read here
+            return False
+    keys = ("min_boxes", "max_boxes", "feature_dim", "dtype")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def rescore_champion(rc: RunContext, version: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef
+                     ) -> dict[str, Any]:
+    """The registered ``version``'s test metrics on this run's test split by this run's evaluation (beam, words,
+    decoding constraint, references): decoded from this run's feature store when the model's feature settings
+    give the same features (:func:`same_features`), else from its own extraction of the test images (a detector
+    model; ``capflow caption``'s path). Returns ``{"CIDEr", "metrics", "images", "how"}``, or ``{"error"}`` when
+    neither is possible (the model cannot be used, or needs images this dataset does not have). Failures to
+    reach the registry or the store raise (the task's retry, then the run fails): they never promote unchecked."""
+    from captioning.data.text import Vocabulary
+    from captioning.inference import CaptionerError, ImageCaptioner, model_files, read_meta
+    from captioning.metrics.coco import score
+    from captioning.metrics.evaluation import predict
+    from captioning.training.loop import load_model
+    from captioning.training.recipe import codec_for, max_tokens
+    from captioning.training.stages import StageContext
+    from tasks.model_refs import resolve_model
+
+    cfg = rc.cfg
+    folder = resolve_model(f"models:/{cfg.tracking.model_name}/{version}", rc.tracker.uri)
+    try:
+        files = model_files(folder)
+        _, features = read_meta(files.meta)
+    except CaptionerError as e:
+        return {"error": f"its model folder cannot be used: {e}"}
+    ds = Dataset.load(data.path)
+    ctx = StageContext.from_paths(cfg, labels.vocab_path, labels.labels_uri, feats.uri, ds, progress=rc.progress)
+    refs = ctx.text_references("test")
+    constraint = cfg.evaluation.decoding_constraint
+    if same_features(features, cfg.features):
+        model, st = load_model(files.model, device=ctx.device)
+        vocab = Vocabulary.load(files.vocab)
+        if st.get("vocab_digest") and st["vocab_digest"] != vocab.digest():
+            return {"error": f"{files.vocab} is not the vocabulary its model.pt was trained with"}
+        preds = predict(model, ctx.source, ctx.rows("test"), vocab, codec=codec_for(model, vocab),
+                        max_tokens=max_tokens(model, cfg.dataset.max_words, vocab.radix()),
+                        beam=cfg.evaluation.beam, device=ctx.device, precision=ctx.precision,
+                        decoding_constraint=constraint)
+        how = "decoded from this run's feature store"
+    elif features.source == "detector" and ds.images_root is not None:
+        if constraint:
+            return {"error": "its features differ from this run's and evaluation.decoding_constraint is on, which "
+                             "captioning from images does not apply"}
+        try:
+            cap = ImageCaptioner(folder, device=cfg.run.device, beam=cfg.evaluation.beam, progress=rc.progress)
+        except CaptionerError as e:
+            return {"error": f"it cannot caption images: {e}"}
+        cap.max_tokens = max_tokens(cap.model, cfg.dataset.max_words, cap.vocab.radix())
+        entries = ds.split("test")
+        res = cap.caption([ds.image_path(e) for e in entries])
+        got = {c["file"]: c["caption"] for c in res.captions}
+        preds = {e.image_id: got[str(ds.image_path(e))] for e in entries if str(ds.image_path(e)) in got}
+        how = (f"its own feature settings differ from this run's: extracted from the {len(entries)} test images "
+               f"({len(res.rejected)} rejected)")
+    else:
+        return {"error": f"it was trained on features.source={features.source} features other than this run's, "
+                         "and there are no images to extract its own from"}
+    if not preds:
+        return {"error": "none of this run's test images could be captioned by it"}
+    scored = score(preds, refs, spice_jars=cfg.evaluation.spice_jars)
+    return {"CIDEr": scored["metrics"].get("CIDEr"), "metrics": scored["metrics"], "images": scored["images"],
+            "how": how}
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -141,11 +243,23 @@ def leaderboard(rc: RunContext, results: list[StudentResult | StudentFailure], d
     return {"leaderboard": rows, "failed": failed, "baseline": baseline}
 
 
-def promote(rc: RunContext, board: dict[str, Any], test_set: str) -> Promotion:
-    """Give ``champion`` to the best student if it beats the current champion on the same test set."""
+def promote(rc: RunContext, board: dict[str, Any], test_set: str, data: DatasetRef | None = None,
+            feats: FeaturesRef | None = None, labels: LabelsRef | None = None) -> Promotion:
+    """Give ``champion`` to the best student if it beats the current champion on this run's test set; a champion
+    scored on another test set is first re-scored on this one (:func:`rescore_champion`, with the run's
+    ``data``, ``feats`` and ``labels``)."""
     rows = board["leaderboard"]
     cur_version, cur_tags = rc.tracker.champion() if rows else (None, {})
-    decision = decide_promotion(rows[0] if rows else None, cur_version, cur_tags, test_set)
+    rescored = None
+    if (rows and cur_version is not None and cur_version != rows[0]["model_version"]
+            and cur_tags.get("test_set") != test_set):
+        if data is None or feats is None or labels is None:
+            rescored = {"error": "this run's test set was not given to the promotion"}
+        else:
+            rescored = rescore_champion(rc, cur_version, data, feats, labels)
+            if rescored.get("CIDEr") is not None:  # the champion's metrics on this run's test set, for comparison
+                rc.tracker.metrics(rc.parent_run, rescored["metrics"], prefix="champion_rescored_test_")
+    decision = decide_promotion(rows[0] if rows else None, cur_version, cur_tags, test_set, rescored)
     if decision.changed:
         rc.tracker.set_champion(decision.champion_version)
     rc.tracker.tags(rc.parent_run, {"champion_version": decision.champion_version,

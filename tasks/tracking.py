@@ -187,6 +187,26 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///"):].split("?", 1)[0])
 
 
+@contextlib.contextmanager
+def sqlite_setup_lock(db: Path | None, timeout: float = 300.0) -> Iterator[None]:
+    """Serialise the creation of a SQLite tracking store (``<db>.lock`` beside it) across processes; a no-op for
+    other stores. Failing to create it raises one line naming the database."""
+    if db is None:
+        yield
+        return
+    from captioning.locks import file_lock
+
+    try:
+        with file_lock(db.with_name(db.name + ".lock"), f"creating the MLflow store {db}", timeout=timeout):
+            yield
+    except TimeoutError as e:
+        raise TrackingUnavailable(f"{e}: is another capflow process stuck creating it?") from None
+    except Exception as e:  # MLflow's schema migration or retry()'s error: the store cannot be used
+        cause = " ".join(f"{type(e).__name__}: {redact(e)}".split())[:300]
+        raise TrackingUnavailable(f"the MLflow store {db} could not be created or opened ({cause}); if it was "
+                                  "left half-made by a crash, move it aside and run again") from None
+
+
 def retry(fn: Callable[[], T], what: str, attempts: int = 4, base_delay: float = 0.5) -> T:
     """Call ``fn``; on connection-type failures retry with exponential backoff, then raise with context."""
     for i in range(attempts):
@@ -231,28 +251,33 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 class Tracker:
     """One pipeline run's view of MLflow: the experiment, the parent run, nested runs, inputs, artifacts."""
 
-    def __init__(self, cfg: PipelineConfig):
+    def __init__(self, cfg: PipelineConfig, uri: str | None = None):
+        """``uri``: the tracking URI already resolved by the flow (a Dask worker records exactly where the flow
+        does, whatever its own environment says); unset = :func:`tracking_uri`."""
         self.cfg = cfg
-        self.uri = tracking_uri(cfg)
+        self.uri = uri or tracking_uri(cfg)
         self.display_uri = redact(self.uri)  # what may be printed, logged or stored
         db = sqlite_path(self.uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
         limit_http_retries()
         preflight(self.uri)
-        self.client = MlflowClient(self.uri)
         name = cfg.tracking.experiment or cfg.run.name
-        exp = retry(lambda: self.client.get_experiment_by_name(name), "get experiment")
-        if exp is None:
-            loc = None
-            if db is not None:  # beside the database, not in the workdir of whichever run created the experiment
-                loc = (db.parent / "mlartifacts").resolve().as_uri()
-            # the kind tag makes the MLflow UI open the experiment as training runs, not as a GenAI app
-            self.experiment_id = retry(lambda: self.client.create_experiment(
-                name, artifact_location=loc, tags={"mlflow.experimentKind": "custom_model_development"}),
-                "create experiment")
-        else:
-            self.experiment_id = exp.experiment_id
+        # a fresh SQLite store is created (schema migrations) with the client: processes starting together take
+        # turns, or MLflow fails half-way ("table ... already exists"); the experiment is made once the same way
+        with sqlite_setup_lock(db):
+            self.client = MlflowClient(self.uri)
+            exp = retry(lambda: self.client.get_experiment_by_name(name), "get experiment")
+            if exp is None:
+                loc = None
+                if db is not None:  # beside the database, not in the workdir of whichever run created it
+                    loc = (db.parent / "mlartifacts").resolve().as_uri()
+                # the kind tag makes the MLflow UI open the experiment as training runs, not as a GenAI app
+                self.experiment_id = retry(lambda: self.client.create_experiment(
+                    name, artifact_location=loc, tags={"mlflow.experimentKind": "custom_model_development"}),
+                    "create experiment")
+            else:
+                self.experiment_id = exp.experiment_id
 
     # ------------------------------------------------------------------ runs
     def start(self, name: str, parent: str | None = None, tags: Mapping[str, Any] | None = None) -> str:
@@ -305,9 +330,14 @@ class Tracker:
         items = [RunTag(k, redact(v)) for k, v in tags.items() if not SECRET_KEY.search(k)]
         retry(lambda: self.client.log_batch(run_id, tags=items), "set tags")
 
-    def metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0, prefix: str = "") -> None:
+    def metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0, prefix: str = "",
+                model_id: str | None = None, dataset: tuple[str, str] | None = None) -> None:
+        """Metrics of a run; with ``model_id`` (a LoggedModel of the run) they are also the model's, and with
+        ``dataset`` = (name, digest) of one of the run's dataset inputs, measured on that dataset."""
         now = int(time.time() * 1000)
-        items = [Metric(f"{prefix}{k}", float(v), now, step) for k, v in metrics.items()
+        name, digest = (dataset[0], dataset[1][:36]) if dataset else (None, None)
+        items = [Metric(f"{prefix}{k}", float(v), now, step, model_id=model_id, dataset_name=name,
+                        dataset_digest=digest) for k, v in metrics.items()
                  if isinstance(v, int | float) and not isinstance(v, bool) and v == v]
         if items:
             retry(lambda: self.client.log_batch(run_id, metrics=items), "log metrics")
@@ -345,16 +375,34 @@ class Tracker:
             self.metrics(run_id, {k: v for k, v in h.items() if k != "epoch"}, step=int(h.get("epoch", 0)),
                          prefix=prefix)
 
-    # ------------------------------------------------------------------ registry
-    def register(self, run_id: str, artifact_path: str, tags: Mapping[str, Any]) -> str:
+    # ------------------------------------------------------------------ models and registry
+    def log_model(self, run_id: str, model_dir: str | Path, *, name: str, params: Mapping[str, Any] | None = None,
+                  tags: Mapping[str, Any] | None = None, example: str | Path | None = None) -> str:
+        """The capflow model folder as an MLflow Model (pyfunc from code) and a LoggedModel output of ``run_id``
+        (:mod:`tasks.mlflow_models`); returns its ``model_id``. ``params`` are flattened like a run's."""
+        from tasks.mlflow_models import log_captioner
+
+        return log_captioner(self.client, self.experiment_id, run_id, model_dir, name=name,
+                             params=flatten(params or {}),
+                             tags={k: redact(v) for k, v in (tags or {}).items() if not SECRET_KEY.search(k)},
+                             example=example, retry=retry)
+
+    def register(self, run_id: str, artifact_path: str, tags: Mapping[str, Any], model_id: str | None = None) -> str:
+        """A new version of the registered model: from the LoggedModel ``model_id`` (source ``models:/<id>``),
+        else (older callers) from the run's artifact folder ``artifact_path``."""
         name = self.cfg.tracking.model_name
         if retry(lambda: _absent_as_none(lambda: self.client.get_registered_model(name)),
                  "get registered model") is None:
             # students register in parallel: another one may create it first
             retry(lambda: _existing_ok(lambda: self.client.create_registered_model(name)),
                   "create registered model")
+        tags = {k: str(v) for k, v in tags.items()}
+        if model_id:
+            from tasks.mlflow_models import register_logged_model
+
+            return register_logged_model(self.client, self.uri, name, model_id, run_id, tags, retry=retry)
         mv = retry(lambda: self.client.create_model_version(name, f"runs:/{run_id}/{artifact_path}", run_id=run_id,
-                                                            tags={k: str(v) for k, v in tags.items()}),
+                                                            tags=tags),
                    "create model version")
         return str(mv.version)
 
@@ -414,7 +462,8 @@ class LocalRecorder:
     def tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         pass
 
-    def metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0, prefix: str = "") -> None:
+    def metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0, prefix: str = "",
+                model_id: str | None = None, dataset: tuple[str, str] | None = None) -> None:
         pass
 
     def dataset(self, run_id: str, name: str, digest: str, source: str, context: str,
@@ -433,5 +482,10 @@ class LocalRecorder:
     def history(self, run_id: str, rows: Iterable[Mapping[str, Any]], prefix: str = "") -> None:
         pass
 
-    def register(self, run_id: str, artifact_path: str, tags: Mapping[str, Any]) -> str | None:
+    def log_model(self, run_id: str, model_dir: str | Path, *, name: str, params: Mapping[str, Any] | None = None,
+                  tags: Mapping[str, Any] | None = None, example: str | Path | None = None) -> str | None:
+        return None
+
+    def register(self, run_id: str, artifact_path: str, tags: Mapping[str, Any], model_id: str | None = None
+                 ) -> str | None:
         return None

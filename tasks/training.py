@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from captioning.util import sha256_file
 from tasks.common import RunContext, log
 from tasks.data import RETRY
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
+from tasks.tracking import LocalRecorder
 
 
 def _context(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef) -> StageContext:
@@ -45,16 +47,34 @@ def _inputs(rc: RunContext, run: str, data: DatasetRef, feats: FeaturesRef, labe
     rc.tracker.dataset(run, "labels", labels.labels_digest, labels.labels_uri, "training")
 
 
-def _epoch_logger(rc: RunContext, run: str):
-    def on_epoch(epoch: int, metrics: dict[str, Any]) -> None:
-        rc.tracker.metrics(run, {k: v for k, v in metrics.items() if k != "epoch"}, step=epoch)
-    return on_epoch
+class EpochLogger:
+    """Per-epoch metrics to ``run`` as they come. Training does not stop because the tracker failed once (a
+    tracking server restarting): metrics it could not take are kept and sent with the next epoch's; :meth:`flush`
+    at the end raises only if the tracker is still failing then (the stage fails, its checkpoints are kept)."""
+
+    def __init__(self, rc: RunContext, run: str):
+        self.rc, self.run, self.pending = rc, run, []
+
+    def __call__(self, epoch: int, metrics: dict[str, Any]) -> None:
+        self.pending.append((epoch, {k: v for k, v in metrics.items() if k != "epoch"}))
+        try:
+            self.flush()
+        except RuntimeError as e:  # tasks.tracking.retry gave up on this call
+            log.warning("could not log epoch %d's metrics (%s); kept, sent with the next epoch's", epoch, e)
+
+    def flush(self) -> None:
+        while self.pending:
+            epoch, metrics = self.pending[0]
+            self.rc.tracker.metrics(self.run, metrics, step=epoch)
+            self.pending.pop(0)
 
 
 def _train(rc: RunContext, run: str, spec: TrainSpec, nproc: int) -> dict[str, Any]:
     """Train; per-epoch metrics go to ``run`` as they come (one process) or from the history (DDP)."""
-    res = run_training(rc.cfg, spec, nproc=nproc, on_epoch=_epoch_logger(rc, run) if nproc == 1 else None,
-                       progress=rc.progress)
+    logger = EpochLogger(rc, run) if nproc == 1 else None
+    res = run_training(rc.cfg, spec, nproc=nproc, on_epoch=logger, progress=rc.progress)
+    if logger is not None:
+        logger.flush()  # what the tracker missed during training; raises if it is still down
     if nproc > 1:
         rc.tracker.history(run, res["history"])
     return res
@@ -74,10 +94,13 @@ def teacher(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: Labels
         spec = _spec(data, feats, labels, "teacher", rc.cache.workdir("teacher", key))
         res = _train(rc, run, spec, cfg.teacher.nproc)
         best = res["best_checkpoint"] or res["last_checkpoint"]
-        rc.tracker.metrics(run, {"best_val_CIDEr": res["best_metric"], "best_epoch": res["best_epoch"],
-                                 "resumed_from_epoch": res["resumed_from_epoch"], "processes": res["processes"]})
+        rc.tracker.metrics(run, {"best_epoch": res["best_epoch"], "resumed_from_epoch": res["resumed_from_epoch"],
+                                 "processes": res["processes"]})
         rc.tracker.artifact(run, best, "checkpoint")
         rc.tracker.json_artifact(run, "history.json", res["history"])
+        # its validation CIDEr is the teacher's MLflow Model's too, measured on the dataset
+        rc.tracker.metrics(run, {"best_val_CIDEr": res["best_metric"]}, model_id=_log_teacher_model(
+            rc, run, best, data, labels), dataset=("dataset", data.digest))
     return rc.done("teacher", key, TeacherRef(run_id=run, checkpoint=str(best), checkpoint_digest=sha256_file(best),
                                               best_val_cider=res["best_metric"]))
 
@@ -190,22 +213,31 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
             rc.tracker.metrics(erun, {**test, **summary})
             rc.tracker.json_artifact(erun, "predictions.json", preds)
             rc.tracker.json_artifact(erun, "metrics.json", ev)
-        rc.tracker.metrics(run, {f"test_{k}": v for k, v in {**test, **summary}.items()})
         # kept beside the model for `capflow evaluate` (COCO results + the test split's references)
         pred_path, ref_path = out / "predictions.json", out / "references.json"
         pred_path.write_text(json.dumps(preds, ensure_ascii=False), encoding="utf-8")
         ref_path.write_text(json.dumps(references_document(ctx.text_references("test")), ensure_ascii=False),
                             encoding="utf-8")
-        # the model folder: checkpoint + vocabulary + what produced it (registered below)
+        # the model folder: checkpoint + vocabulary + what produced it
         model_dir = checkpoint.save_model_dir(
             out / "model", model=model, arch=st["arch"], vocab=labels.vocab_path,
             features=cfg.features.model_dump(mode="json"), student=name, preset=pname,
             max_words=cfg.dataset.max_words, beam=cfg.evaluation.beam, test_metrics=test,
             vocab_digest=st["vocab_digest"], epoch=st["epoch"], step=st["step"],
             weights_cache_dir=rc.workdir.weights_cache())  # the extraction's weights cache
-        rc.tracker.artifact(run, model_dir, "model")
+        # ... as an MLflow Model: a LoggedModel of this run, its test metrics measured on the dataset's test split
+        model_id = rc.tracker.log_model(
+            run, model_dir, name=pname, example=_example_image(cfg, ctx.dataset),
+            params={"student": name, "preset": pname, "beam": cfg.evaluation.beam,
+                    "max_words": cfg.dataset.max_words, "arch": arch.to_dict()},
+            tags={"capflow.student": name, "capflow.preset": pname, "capflow.arch": name,
+                  "capflow.params": ev["params"], "capflow.latency_ms": f"{ev['latency_ms']:.3f}",
+                  "capflow.test_set": data.digest, "capflow.features_source": cfg.features.source})
+        rc.tracker.metrics(run, {f"test_{k}": v for k, v in {**test, **summary}.items()}, model_id=model_id,
+                           dataset=("dataset", data.digest))
         version = rc.tracker.register(run, "model", {"student": name, "preset": pname,
-                                                     "test_CIDEr": test.get("CIDEr"), "test_set": data.digest})
+                                                     "test_CIDEr": test.get("CIDEr"), "test_set": data.digest},
+                                      model_id=model_id)
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rc.done(stage, key, StudentResult(
@@ -214,6 +246,38 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
         unique_fraction=ev["unique_fraction"], model_version=version, test_set=data.digest,
         checkpoint=str(model_dir / "model.pt"), predictions=str(pred_path), references=str(ref_path),
         distinct_captions=ev["distinct_captions"], repeated_token_rate=ev["repeated_token_rate"]))
+
+
+def _example_image(cfg, ds: Dataset | None):
+    """A real image for the MLflow Model's input example: the first usable test image (None: no image files)."""
+    from tasks.mlflow_models import example_image
+
+    if ds is None or ds.images_root is None or cfg.features.source != "detector":
+        return None  # a model of synthetic-informative features does not caption pixels
+    return example_image([ds.image_path(e) for e in ds.split("test")[:8]])
+
+
+def _log_teacher_model(rc: RunContext, run: str, best: str | Path, data: DatasetRef, labels: LabelsRef
+                       ) -> str | None:
+    """The teacher as an MLflow Model too (a LoggedModel of its run, not registered: the registry holds the
+    students), its model folder written beside its checkpoints; returns its ``model_id``."""
+    if isinstance(rc.tracker, LocalRecorder):
+        return None  # a single-stage command without tracking: nothing to log the model to
+    cfg = rc.cfg
+    model, st = load_model(best)
+    model_dir = checkpoint.save_model_dir(
+        Path(best).parent / "model", model=model, arch=st["arch"], vocab=labels.vocab_path,
+        features=cfg.features.model_dump(mode="json"), student="teacher", preset=cfg.teacher.model.arch,
+        max_words=cfg.dataset.max_words, beam=cfg.evaluation.beam, test_metrics={}, vocab_digest=st["vocab_digest"],
+        epoch=st["epoch"], step=st["step"], weights_cache_dir=rc.workdir.weights_cache())
+    model_id = rc.tracker.log_model(
+        run, model_dir, name="teacher", example=_example_image(cfg, Dataset.load(data.path)),
+        params={"student": "teacher", "preset": cfg.teacher.model.arch, "beam": cfg.evaluation.beam,
+                "max_words": cfg.dataset.max_words, "arch": st["arch"]},
+        tags={"capflow.student": "teacher", "capflow.preset": cfg.teacher.model.arch,
+              "capflow.arch": cfg.teacher.model.arch, "capflow.features_source": cfg.features.source})
+    del model
+    return model_id
 
 
 teacher_task = task(teacher, name="train-teacher", **RETRY)

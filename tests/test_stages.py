@@ -151,7 +151,20 @@ def test_promotion_decision():
     assert not tie.changed  # a tie keeps the champion
     worse_champion = decide_promotion(best, "3", {"test_set": "t", "test_CIDEr": "0.4"}, "t")
     assert worse_champion.changed and worse_champion.reason == "better than the current champion"
-    other_set = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.9"}, "t")
-    assert other_set.changed and other_set.reason == "current champion was scored on another test set"
+    # a champion scored on another test set is compared by its score on this one (re-scored), never by its tag
+    kept = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.1"}, "t",
+                            {"CIDEr": 0.55, "how": "decoded from this run's feature store"})
+    assert not kept.changed and kept.champion_version == "3" and kept.champion_cider == 0.55
+    assert kept.reason.startswith("current champion v3, scored on another test set, re-scored on this one")
+    assert kept.rescored == "decoded from this run's feature store"
+    tie_rescored = decide_promotion(best, "3", {"test_set": "other"}, "t", {"CIDEr": 0.5, "how": "h"})
+    assert not tie_rescored.changed
+    beaten = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.9"}, "t", {"CIDEr": 0.45, "how": "h"})
+    assert beaten.changed and beaten.champion_version == "7" and "re-scored on this test set (h)" in beaten.reason
+    unscored = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.9"}, "t",
+                                {"error": "no images to extract its own from"})
+    assert unscored.changed and unscored.champion_cider is None
+    assert "could not be scored on this one (no images to extract its own from)" in unscored.reason
+    assert "without a comparison" in decide_promotion(best, "3", {"test_set": "other"}, "t").reason
     nobody = decide_promotion(None, "3", {}, "t")
     assert not nobody.changed and nobody.champion_version == "3" and nobody.reason == "no student finished"

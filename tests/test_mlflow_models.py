@@ -1,0 +1,236 @@
+"""Trained captioners as MLflow Models (issue 29): the registered version is a pyfunc *model from code* that MLflow
+loads and serves, a LoggedModel of its run with its test metrics on the evaluation dataset, and ``capflow caption``
+still reads it (no mocks: a real SQLite tracking store, a real model folder, real COCO images).
+
+The model folder is the ``tiny`` preset's (random-weight R50-C4 detector, there are no detector weights offline)
+around an untrained tiny LW student: its captions mean nothing, but they are deterministic, so MLflow's answers are
+compared word for word with :class:`captioning.inference.ImageCaptioner`'s and ``capflow caption``'s.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from captioning.config import load_config
+from captioning.data.text import build_vocabulary, tokenize
+from captioning.inference import ImageCaptioner
+from captioning.models.registry import build
+from captioning.training import checkpoint
+from captioning.training.recipe import student_arch
+from tasks.model_refs import resolve_model
+from tasks.tracking import Tracker
+
+MAX_WORDS = 12
+FILES = ["COCO_val2014_000000078707.jpg", "COCO_val2014_000000165547.jpg", "COCO_train2014_000000057870.jpg"]
+TEST_SET = "d" * 64
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CAPFLOW_MODEL_CACHE", str(tmp_path / "model-cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+@pytest.fixture(scope="module")
+def images(external) -> list[Path]:
+    return [external / "images" / f for f in FILES]
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory, external, images):
+    """A model folder logged as an MLflow Model of a student run, registered and made champion, as the pipeline's
+    student job does it (Tracker.log_model, metrics with model_id, Tracker.register)."""
+    work = tmp_path_factory.mktemp("mlflow-models")
+    features = load_config("tiny").features
+    index = json.loads((external / "images" / "index_all.json").read_text(encoding="utf-8"))
+    vocab = build_vocabulary([tokenize(c, MAX_WORDS) for e in index for c in e.get("captions") or []],
+                             min_count=2, radix_base=16)
+    arch = student_arch("lw", "tiny", vocab, features.feature_dim, MAX_WORDS)
+    torch.manual_seed(0)
+    folder = checkpoint.save_model_dir(work / "model", model=build(arch), arch=arch.to_dict(), vocab=vocab,
+                                       features=features.model_dump(mode="json"), student="lw", preset="lw-1x",
+                                       max_words=MAX_WORDS, beam=2, test_metrics={"CIDEr": 0.25})
+    before = os.environ.pop("MLFLOW_TRACKING_URI", None)
+    try:
+        tr = Tracker(load_config("tiny", None, [f"run.workdir={work}"]))
+        with tr.run("lw-1x") as run:
+            tr.dataset(run, "dataset", TEST_SET, str(work / "dataset.json"), "input")
+            model_id = tr.log_model(run, folder, name="lw-1x", example=images[0],
+                                    params={"student": "lw", "arch": arch.to_dict()},
+                                    tags={"capflow.student": "lw", "capflow.params": 1234})
+            tr.metrics(run, {"test_CIDEr": 0.25, "test_Bleu_4": 0.125}, model_id=model_id,
+                       dataset=("dataset", TEST_SET))
+            version = tr.register(run, "model", {"student": "lw", "test_CIDEr": 0.25, "test_set": TEST_SET},
+                                  model_id=model_id)
+        tr.set_champion(version)
+    finally:
+        if before is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+    return {"uri": tr.uri, "experiment_id": tr.experiment_id, "run_id": run, "model_id": model_id,
+            "version": version, "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def reference(registered, images) -> dict[str, list[str]]:
+    """ImageCaptioner's captions of FILES from the model folder itself: beam 2 (the folder's) and greedy."""
+    cap = ImageCaptioner(registered["folder"], device="cpu", progress=False)
+    out = {}
+    for beam in (2, 1):
+        cap.beam = beam
+        res = cap.caption(images)
+        assert not res.rejected
+        out[f"beam{beam}"] = [c["caption"] for c in res.captions]
+    return out
+
+
+def test_registered_version_is_a_logged_pyfunc_model_from_code_with_metrics_and_dataset(registered, images,
+                                                                                       tmp_path):
+    c = MlflowClient(registered["uri"])
+    mid = registered["model_id"]
+    # the LoggedModel: an output of the student run, READY, with its metrics on the evaluation dataset
+    (lm,) = c.search_logged_models([registered["experiment_id"]])
+    assert lm.model_id == mid and lm.source_run_id == registered["run_id"] and str(lm.status) == "READY"
+    assert lm.model_type == "image-captioner" and lm.name == "lw-1x"
+    metrics = {m.key: m for m in lm.metrics}
+    assert metrics["test_CIDEr"].value == 0.25 and metrics["test_CIDEr"].dataset_name == "dataset"
+    assert metrics["test_CIDEr"].dataset_digest == TEST_SET[:36]
+    assert lm.tags["capflow.student"] == "lw" and lm.tags["capflow.params"] == "1234"
+    assert lm.params["student"] == "lw" and "arch.d_model" in lm.params
+    assert json.loads(lm.tags["mlflow.modelVersions"]) == [{"name": "capflow-captioner",
+                                                             "version": int(registered["version"])}]
+    assert [o.model_id for o in c.get_run(registered["run_id"]).outputs.model_outputs] == [mid]
+    # the registered version points at it
+    mv = c.get_model_version_by_alias("capflow-captioner", "champion")
+    assert mv.source == f"models:/{mid}" and mv.tags["capflow.model_id"] == mid
+    # the MLflow Model: pyfunc loaded from code, the capflow folder as artifacts, a real image as input example
+    root = Path(c.download_artifacts(registered["run_id"], "", str(tmp_path / "run")))  # nothing duplicated there
+    assert not any(root.iterdir())
+    import mlflow.artifacts
+
+    got = Path(mlflow.artifacts.download_artifacts(artifact_uri=lm.artifact_location, dst_path=str(tmp_path / "m"),
+                                                   tracking_uri=registered["uri"]))
+    import yaml
+
+    conf = yaml.safe_load((got / "MLmodel").read_text())
+    pyfunc = conf["flavors"]["python_function"]
+    assert pyfunc["loader_module"] == "mlflow.pyfunc.loaders.code_model"
+    assert (got / pyfunc["model_code_path"].split("/")[-1]).is_file() and "python_model" not in pyfunc
+    assert conf["model_id"] == mid and conf["run_id"] == registered["run_id"]
+    assert (got / "code" / "captioning" / "inference.py").is_file()  # the library that trained it
+    folder = got / pyfunc["artifacts"]["model"]["path"]
+    assert (folder / "model.pt").read_bytes() == (registered["folder"] / "model.pt").read_bytes()
+    # nothing in the model is a pickle of Python objects: no .pkl/.pickle files, model.pt loads weights-only
+    assert not [p for p in got.rglob("*") if p.suffix in (".pkl", ".pickle", ".cloudpickle")]
+    checkpoint.load(folder / "model.pt")  # torch.load(weights_only=True)
+    example = json.loads((got / "input_example.json").read_text())
+    assert base64.b64decode(example["data"][0][0]) == images[0].read_bytes()
+    sig = conf["signature"]
+    assert json.loads(sig["inputs"]) == [{"type": "binary", "name": "image", "required": True}]
+    assert [p["name"] for p in json.loads(sig["params"])] == ["beam", "max_words"]
+    reqs = (got / "requirements.txt").read_text().split()
+    assert f"torch=={torch.__version__.split('+')[0]}" in {r.split("+")[0] for r in reqs}
+    assert any(r.startswith("mlflow==") for r in reqs)
+
+
+def test_mlflow_loads_the_champion_and_captions_like_the_folder(registered, reference, images, monkeypatch):
+    import mlflow.pyfunc
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["uri"])
+    model = mlflow.pyfunc.load_model("models:/capflow-captioner@champion")
+    batch = pd.DataFrame({"image": [p.read_bytes() for p in images]})
+    assert model.predict(batch)["caption"].tolist() == reference["beam2"]
+    assert model.predict(batch, params={"beam": 1})["caption"].tolist() == reference["beam1"]
+    with pytest.raises(MlflowException, match=r"row 1: not an image"):
+        model.predict(pd.DataFrame({"image": [images[0].read_bytes(), b"not an image"]}))
+    # capflow caption reads the capflow folder out of the new-style version (old-style runs:/ versions:
+    # tests/test_caption.py; the pipeline's own champion: tests/test_pipeline.py)
+    folder = resolve_model("models:/capflow-captioner@champion")
+    assert (folder / "model.pt").read_bytes() == (registered["folder"] / "model.pt").read_bytes()
+    assert {p.name for p in folder.iterdir()} == {"model.pt", "vocab.json", "capflow.json"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.integration
+def test_mlflow_models_serve_answers_captions_and_400_for_bad_input(registered, reference, images, tmp_path):
+    port = _free_port()
+    bindir = str(Path(sys.executable).parent)  # MLflow starts `uvicorn` from PATH: the venv's
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+           "CAPFLOW_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m",
+                             "models:/capflow-captioner@champion", "--env-manager", "local", "-h", "127.0.0.1", "-p",
+                             str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        b64 = [base64.b64encode(p.read_bytes()).decode() for p in images]
+        status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": [[b] for b in b64]}})
+        assert status == 200, body
+        assert [p["caption"] for p in body["predictions"]] == reference["beam2"]
+        status, body = _post(port, {"dataframe_records": [{"image": b64[0]}], "params": {"beam": 1}})
+        assert status == 200 and body["predictions"] == [{"caption": reference["beam1"][0]}]
+        data = images[0].read_bytes()
+        bad = {"not an image": [[base64.b64encode(b"not an image").decode()]],
+               "truncated": [[base64.b64encode(data[: len(data) // 2]).decode()]],
+               "not base64": [["@@not base64!"]]}
+        for what, rows in bad.items():
+            status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": rows}})
+            assert status == 400 and body.get("message"), (what, status, body)
+        status, body = _post(port, {"dataframe_split": {"columns": ["picture"], "data": [[b64[0]]]}})
+        assert status == 400 and "image" in body["message"]
+        status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": [[b64[0]]]},
+                                    "params": {"beam": 99}})
+        assert status == 400 and "beam" in body["message"]
+        # the server is still there and answers after the bad requests
+        status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": [[b64[1]]]}})
+        assert status == 200 and body["predictions"] == [{"caption": reference["beam2"][1]}]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
