@@ -131,7 +131,8 @@ class BottomUpOptions(Section):
         None, description="Per-class NMS IoU of the box selection: butd = '+1' widths on original-pixel boxes "
         "(both flavours); resized = capflow's stock rule (no +1, resized-image boxes)")
     selection_nms_inclusive: bool | None = Field(
-        None, description="Selection NMS suppresses at IoU >= nms_threshold (MILVLG's kernel) instead of > (butd)")
+        None, description="Selection NMS suppresses at IoU >= nms_threshold (butd's configured CPU kernel and "
+        "MILVLG's: both flavours) instead of > (butd's GPU kernel)")
     conf_inclusive: bool | None = Field(
         None, description="Keep boxes whose score is >= conf_threshold (butd) instead of >")
     order: Literal["butd", "score"] | None = Field(
@@ -194,8 +195,8 @@ class ExtractorConfig(Section):
     )
     loader_processes: int = Field(
         0, ge=0, description="Processes decoding/resizing the next images instead of loader_threads (threads share "
-        "the extracting process's interpreter lock; measured on an H100 with COCO-size JPEGs: no gain, 75.1 vs 74.7 "
-        "images/s, so off by default). Never changes the numbers",
+        "the extracting process's interpreter lock; off by default: no gain measured, see docs/benchmarks.md). "
+        "Never changes the numbers",
     )
     channels_last: bool | None = Field(
         None, description="Run the detector's convolutions in channels-last memory format; unset = on CUDA "
@@ -419,8 +420,12 @@ def preset_names() -> list[str]:
 
 
 def _read_yaml(text: str, origin: str) -> dict[str, Any]:
+    from captioning import bounded_yaml
+
     try:
-        data = yaml.safe_load(text)
+        data = bounded_yaml.load(text)  # aliases, expansion and nesting bounded (no alias bomb, no RecursionError)
+    except bounded_yaml.YAMLLimitError as e:
+        raise ConfigError(f"{origin}: {e}") from None
     except yaml.YAMLError as e:
         from captioning.redact import redact
 
@@ -446,8 +451,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {item!r}: empty key")
+    from captioning import bounded_yaml
+
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = bounded_yaml.load(raw) if raw.strip() else ""
+    except bounded_yaml.YAMLLimitError as e:  # an alias bomb in one value is refused, not taken as text
+        raise ConfigError(f"override {key}: {e}") from None
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
