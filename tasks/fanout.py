@@ -9,15 +9,24 @@ sequential run makes. A student's result does not depend on how many run at once
 ``students.threads`` torch threads (default: usable CPUs // workers, the same in a sequential run with one
 worker) and seeds itself. A worker that dies mid-student is replaced by Dask and the task runs again, resuming
 from the student's last epoch checkpoint in its stage folder.
+
+Nothing a worker needs comes from the environment the flow started in: the flow resolves it and sends it in the
+task's arguments (:class:`StudentJob`): the MLflow tracking URI the flow records into (never the worker's own
+``MLFLOW_TRACKING_URI`` or a fallback SQLite store of its own), the config and stage results with every local path
+made absolute against the flow's working directory, SPICE's jar folder, the torch threads. Credentials stay in
+each process's own environment (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, ``AWS_*``) and are not carried - except
+any written into ``MLFLOW_TRACKING_URI`` itself, which travels with the URI (give them as the variables instead).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -26,6 +35,9 @@ from captioning.config import PipelineConfig
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 
 log = logging.getLogger("capflow.pipeline")
+R = TypeVar("R")
+# the fields of the stage results that hold a file path or a store URI
+PATH_FIELDS = frozenset({"path", "rejects_path", "uri", "vocab_path", "labels_uri", "features_uri", "checkpoint"})
 
 
 class SchedulerUnavailable(RuntimeError):
@@ -81,27 +93,96 @@ def student_cluster(cfg: PipelineConfig) -> Iterator[Any]:
                 cluster.close()
 
 
-def student_on_worker(cfg_json: str, parent_run: str, name: str, data: DatasetRef, feats: FeaturesRef,
-                      labels: LabelsRef, teacher: TeacherRef, kd: SeqKDRef, scst: bool,
-                      threads: int) -> tuple[StudentResult | StudentFailure, str]:
-    """What a Dask worker runs for one student: the student job in this process, recorded under ``parent_run``.
-    Returns the result and the stage's state (``ran`` / ``cached`` / ``failed``)."""
+def absolute(path: str | None) -> str | None:
+    """A local path made absolute against this process's working directory; URIs (``s3://``...) and None as
+    they are."""
+    if not path or "://" in path:
+        return path
+    return os.path.abspath(path)
+
+
+def absolute_paths(ref: R) -> R:
+    """A stage result with its local paths made absolute (a worker's working directory is not the flow's)."""
+    fields = {f.name: absolute(getattr(ref, f.name)) for f in dataclasses.fields(ref)
+              if f.name in PATH_FIELDS and isinstance(getattr(ref, f.name), str)}
+    return dataclasses.replace(ref, **fields)
+
+
+def worker_config(cfg: PipelineConfig) -> PipelineConfig:
+    """The config a worker runs with: ``run.workdir``, ``features.store``, ``features.extractor.weights``, the
+    dataset's files and ``evaluation.spice_jars`` absolute, SPICE's jar folder taken from the flow's
+    ``CAPFLOW_SPICE_JARS`` when the config names none (where the flow would have read it)."""
+    from captioning.metrics.coco import SPICE_ENV
+
+    d = cfg.model_dump(mode="json")
+    d["run"]["workdir"] = absolute(d["run"]["workdir"])
+    d["features"]["store"] = absolute(d["features"]["store"])
+    d["features"]["extractor"]["weights"] = absolute(d["features"]["extractor"]["weights"])
+    d["dataset"]["annotations"] = absolute(d["dataset"]["annotations"])
+    d["dataset"]["images"] = absolute(d["dataset"]["images"])
+    spice = d["evaluation"]["spice_jars"] or os.environ.get(SPICE_ENV)
+    d["evaluation"]["spice_jars"] = absolute(os.path.expanduser(spice)) if spice else None
+    return PipelineConfig.model_validate(d)
+
+
+@dataclass(frozen=True)
+class StudentJob:
+    """Everything a Dask worker needs to train, evaluate and register one student, resolved by the flow."""
+    cfg_json: str  # worker_config: local paths absolute
+    tracking_uri: str  # the flow's resolved MLflow tracking URI (credentials, if any, from the worker's environment)
+    parent_run: str
+    name: str
+    data: DatasetRef
+    feats: FeaturesRef
+    labels: LabelsRef
+    teacher: TeacherRef
+    kd: SeqKDRef
+    scst: bool
+    threads: int
+
+
+def student_job(rc: Any, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef, teacher: TeacherRef,
+                kd: SeqKDRef, scst: bool) -> StudentJob:
+    """The flow's side: one student's job for a worker (see :class:`StudentJob`)."""
+    return StudentJob(cfg_json=worker_config(rc.cfg).model_dump_json(), tracking_uri=rc.tracker.uri,
+                      parent_run=rc.parent_run, name=name, data=absolute_paths(data), feats=absolute_paths(feats),
+                      labels=absolute_paths(labels), teacher=absolute_paths(teacher), kd=kd, scst=scst,
+                      threads=student_threads(rc.cfg))
+
+
+def student_on_worker(job: StudentJob) -> tuple[StudentResult | StudentFailure, str]:
+    """What a Dask worker runs for one student: the student job in this process, recorded in the flow's tracking
+    store under the flow's parent run. Returns the result and the stage's state (``ran`` / ``cached`` /
+    ``failed``)."""
+    import multiprocessing
+
     import torch
 
     from captioning.config import PipelineConfig
     from captioning.features.parallel import _worker_index
     from tasks.cache import StageCache
     from tasks.common import RunContext
-    from tasks.tracking import Tracker
+    from tasks.tracking import Tracker, sqlite_path
     from tasks.training import student
 
-    torch.set_num_threads(threads)
+    db = sqlite_path(job.tracking_uri)
+    if db is not None and not db.is_file():  # never a store of the worker's own: the runs would not be found
+        return StudentFailure(student=job.name, error=(
+            f"the flow's MLflow store {db} is not visible on this Dask worker; give the workers the same "
+            "filesystem at the same path, or record into a tracking server (MLFLOW_TRACKING_URI / "
+            "tracking.tracking_uri = http(s)://...)")), "failed"
+    cfg = PipelineConfig.model_validate_json(job.cfg_json)
+    if cfg.students.nproc > 1 and multiprocessing.current_process().daemon:
+        return StudentFailure(student=job.name, error=(
+            f"students.nproc={cfg.students.nproc} starts data-parallel processes, which this Dask worker (a daemonic "
+            "process) may not have: start the workers with DASK_DISTRIBUTED__WORKER__DAEMON=False in their "
+            "environment (capflow's own LocalCluster does this)")), "failed"
+    torch.set_num_threads(job.threads)
     if torch.cuda.is_available():  # one GPU per worker (LocalCluster: as many workers as GPUs at most)
         torch.cuda.set_device(_worker_index() % torch.cuda.device_count())
-    cfg = PipelineConfig.model_validate_json(cfg_json)
-    rc = RunContext(cfg, Tracker(cfg), parent_run, StageCache(cfg.workdir))
-    res = student(rc, name, data, feats, labels, teacher, kd, scst)
-    state = "failed" if isinstance(res, StudentFailure) else rc.stages.get(f"student-{name}", "ran")
+    rc = RunContext(cfg, Tracker(cfg, uri=job.tracking_uri), job.parent_run, StageCache(cfg.workdir))
+    res = student(rc, job.name, job.data, job.feats, job.labels, job.teacher, job.kd, job.scst)
+    state = "failed" if isinstance(res, StudentFailure) else rc.stages.get(f"student-{job.name}", "ran")
     return res, state
 
 
@@ -110,9 +191,8 @@ def student_remote(rc: Any, client: Any, name: str, data: DatasetRef, feats: Fea
     """One student as a Dask task (``GPU=1`` where the workers offer it), waited for; never raises. A task lost
     with its worker more often than Dask allows is that student's failure."""
     resources = {"GPU": 1} if _offers_gpus(client) else None
-    fut = client.submit(student_on_worker, rc.cfg.model_dump_json(), rc.parent_run, name, data, feats, labels,
-                        teacher, kd, scst, student_threads(rc.cfg), key=f"student-{name}-{rc.parent_run}",
-                        pure=False, resources=resources)
+    fut = client.submit(student_on_worker, student_job(rc, name, data, feats, labels, teacher, kd, scst),
+                        key=f"student-{name}-{rc.parent_run}", pure=False, resources=resources)
     try:
         res, state = fut.result()
     except Exception as e:  # the worker died more often than distributed.scheduler.allowed-failures

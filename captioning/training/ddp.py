@@ -1,8 +1,10 @@
-"""Data-parallel training on one machine: N processes, one process group (gloo on CPU, NCCL on CUDA).
+"""Data-parallel training: N processes, one process group (gloo on CPU, NCCL on CUDA).
 
-:func:`launch` spawns the processes and runs ``fn(rank, world_size, *args)`` in each, inside an initialised
-default process group; :func:`captioning.training.loop.train` called there trains data-parallel by itself (every
-rank reads the same global batches and trains on its own contiguous slice, see :func:`shard`).
+:func:`launch` spawns the processes on this machine and runs ``fn(rank, world_size, *args)`` in each, inside an
+initialised default process group; under an outside launcher (``torchrun``, several nodes) each process joins the
+group it describes with :func:`init_from_env` instead (``captioning.training.torchrun``).
+:func:`captioning.training.loop.train` called there trains data-parallel by itself (every rank reads the same
+global batches and trains on its own contiguous slice, see :func:`shard`).
 
 Everything stays on the loopback interface: the rendezvous store is served by the calling process on a socket
 bound to 127.0.0.1 (so no free-port race), and gloo/NCCL are told to use the loopback interface.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from captioning import stopping
 from captioning.data.loader import Batch
 
 HOST = "127.0.0.1"
@@ -115,10 +119,17 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None =
     try:
         with tempfile.TemporaryDirectory(prefix="capflow-ddp-") as tmp:
             spec = (fn, args, nproc, backend, dev_type, port, threads, timeout, tmp)
+            ctx = mp.start_processes(_run_rank, args=(spec,), nprocs=nproc, join=False, start_method="spawn")
             try:
-                mp.start_processes(_run_rank, args=(spec,), nprocs=nproc, join=True, start_method="spawn")
+                while not ctx.join(timeout=0.5):
+                    stopping.check("data-parallel training")  # SIGTERM to capflow: the ranks stop too
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+                _terminate(ctx.processes)
+                stopping.check("data-parallel training")  # a rank that stopped on SIGTERM is no failure
                 _reraise(Path(tmp), e)
+            except BaseException:  # stopped or interrupted here: no rank may outlive it
+                _terminate(ctx.processes)
+                raise
             # pickle is safe here: the folder is this call's own mkdtemp (mode 0700) and only the ranks spawned
             # above, this process's children, write into it; nothing from another user or machine is read
             with open(Path(tmp) / "result.pkl", "rb") as f:
@@ -127,9 +138,59 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None =
         del store  # stop serving
 
 
+def init_from_env(device: str | torch.device = "cpu", backend: str | None = None, threads: int | None = None,
+                  timeout: timedelta = timedelta(minutes=60)) -> tuple[int, int]:
+    """Join the process group that an outside launcher describes in the environment - ``torchrun`` (torch elastic),
+    ``srun`` wrappers, Kubernetes operators: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT`` - as :func:`launch`'s ranks join theirs: ``cuda:LOCAL_RANK`` (NCCL) for a CUDA
+    ``device``, else the CPU (gloo); ``threads`` torch threads (default: CPUs // processes on this node). Returns
+    (rank, world size); :func:`rank_device` names this rank's device afterwards. The caller destroys the group."""
+    global _RANK_DEVICE
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"no launcher's process group in the environment ({', '.join(missing)} unset): start "
+                           "this under torchrun (or set the variables), or use capflow's own launcher (--nproc)")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    dev_type = torch.device(device).type
+    backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
+    if threads is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cpus // local_world)
+    torch.set_num_threads(threads)
+    if dev_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        _RANK_DEVICE = torch.device("cuda", local_rank)
+    else:
+        _RANK_DEVICE = torch.device("cpu")
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    return rank, world_size
+
+
+def _terminate(processes: list, timeout: float = 5.0) -> None:
+    """SIGTERM the ranks still running (each unwinds: a checkpoint being written is not left half-made), then
+    SIGKILL those that did not exit within ``timeout`` (a rank blocked in a collective)."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    stopping.request(signum)
+    raise stopping.Stopped(signum, "data-parallel rank")
+
+
 def _run_rank(rank: int, spec: tuple) -> None:
     global _RANK_DEVICE
     fn, args, nproc, backend, dev_type, port, threads, timeout, tmp = spec
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         torch.set_num_threads(threads)
         os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),

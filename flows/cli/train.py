@@ -76,6 +76,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                      features_uri=paths["features"], out=args.out or str(rc.workdir.stage_dir(stage, key)),
                      captions=args.captions, seqkd_source=seqkd_source, init_from=args.init,
                      scst_from=args.scst_from, dataset_path=paths["dataset"])
+    if args.torchrun_job:
+        return _write_torchrun_job(args, cfg, spec)
     res = run_training(cfg, spec, nproc=args.nproc, progress=not args.json)
     if args.json:
         print_json(res)
@@ -84,6 +86,29 @@ def cmd_train(args: argparse.Namespace) -> int:
             print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()))
         at = "the starting weights" if res["best_epoch"] < 0 else f"epoch {res['best_epoch'] + 1}"
         print(f"best {res['best_metric']:.4f} at {at}: {res['best_checkpoint']}")
+    return 0
+
+
+def _write_torchrun_job(args: argparse.Namespace, cfg, spec) -> int:
+    """The stage as a job for ``torchrun ... -m captioning.training.torchrun JOB`` (every path absolute: the
+    launcher's processes may start in other directories, on other nodes)."""
+    import dataclasses
+
+    from captioning.training.torchrun import write_job
+    from tasks.fanout import absolute, worker_config
+
+    spec = dataclasses.replace(spec, **{f.name: absolute(getattr(spec, f.name)) for f in dataclasses.fields(spec)
+                                        if f.name in ("vocab_path", "labels_uri", "features_uri", "out", "init_from",
+                                                      "scst_from", "dataset_path")})
+    path = write_job(args.torchrun_job, worker_config(cfg).model_dump_json(), spec, args.nproc)
+    command = (f"torchrun --nnodes 1 --nproc-per-node {args.nproc} -m captioning.training.torchrun "
+               f"{path.resolve()}")
+    if args.json:
+        print_json({"job": str(path.resolve()), "nproc": args.nproc, "out": spec.out, "command": command})
+    else:
+        print(f"job for {args.nproc} processes: {path.resolve()}\ncheckpoints: {spec.out}\nrun it on one node "
+              f"with:\n  {command}\n(several nodes: --nnodes N --nproc-per-node {args.nproc}/N --rdzv-backend "
+              "c10d --rdzv-endpoint HOST:PORT on each; infra/README.md)")
     return 0
 
 
@@ -108,5 +133,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--labels", help="label store (default: the recorded one; give --vocab and --features too)")
     t.add_argument("--vocab", help="vocabulary (with --labels)")
     t.add_argument("--out", help="checkpoint folder (default <workdir>/runs/train-<model>-<key>)")
+    t.add_argument("--torchrun-job", metavar="FILE", help="write the stage as a job for torchrun (--nproc = its "
+                   "world size, all nodes) instead of training here: torchrun ... -m captioning.training.torchrun FILE")
     t.add_argument("--json", action="store_true", help="print the result as JSON")
     t.set_defaults(func=cmd_train)
