@@ -1,9 +1,15 @@
-"""Small helpers shared across the library: file digests and torch device resolution."""
+"""Small helpers shared across the library: file digests, atomic writes, torch device resolution."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -24,3 +30,50 @@ def resolve_device(spec: str, what: str = "device") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{what} {spec!r} requested but CUDA is not available")
     return dev
+
+
+class DiskFull(OSError):
+    """No space left on the device while writing a file: the message names the file and the free space."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def disk_full_message(path: str | Path, what: str = "") -> str:
+    p = Path(path)
+    try:
+        free = f"{shutil.disk_usage(p.parent if not p.is_dir() else p).free / 2**20:,.1f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    return f"no space left on device writing {what + ' ' if what else ''}{p} ({free}): free some space and run again"
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], object], what: str = "") -> Path:
+    """Write ``path`` all or nothing: ``write(f)`` fills a hidden temporary file beside it, which then replaces
+    ``path``. On any failure or interruption the temporary file is removed and ``path`` is left as it was; a full
+    disk raises :class:`DiskFull` naming the file (not a codec's "unexpected pos" or a bare errno)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if not isinstance(e, DiskFull) and _no_space(e):
+            raise DiskFull(errno.ENOSPC, disk_full_message(path, what)) from None
+        raise
+    return path
+
+
+def _no_space(exc: BaseException) -> bool:
+    """An ENOSPC anywhere in the chain (torch reports a failed write as a RuntimeError raised while handling it)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -11,10 +11,13 @@ re-reads the dataset; a killed run resumes where it stopped (chunks, epoch check
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +104,15 @@ def what_changed(summary: dict[str, Any]) -> str:
 
 
 def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | None = None) -> dict[str, Any]:
+    from captioning import stopping
+    from captioning.locks import hold_workdir
+
+    stopping.reset()  # a new run in a long-lived process (a served flow, tests): an earlier stop request is done
+    with hold_workdir(cfg.workdir, "capflow-pipeline flow run"):  # one run per workdir (re-entrant: capflow run)
+        return _run_pipeline(cfg, flow_run_id, progress)
+
+
+def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) -> dict[str, Any]:
     tracker = Tracker(cfg)  # fails fast (before any stage) when the tracking server is unreachable
     tracker.end_orphaned_runs()  # runs of an earlier pipeline run that was killed: KILLED, not RUNNING forever
     # the students' Dask cluster (students.workers / students.dask_address) before any stage: an unreachable
@@ -130,9 +142,10 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
             for i in range(0, len(names), wave):
                 futures = [student_task.submit(rc, n, data, feats, labels, teacher, kd, scst)
                            for n in names[i: i + wave]]
-                results += [f.result() for f in futures]
+                with stop_threads_on_interrupt(futures):  # SIGTERM: the students stop too, not just this thread
+                    results += [f.result() for f in futures]
         board = leaderboard_task(rc, results, data)
-        promo = promote_task(rc, board, data.digest)
+        promo = promote_task(rc, board, data.digest, data, feats, labels)
         tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
     return {
         "mlflow_run_id": parent,
@@ -147,6 +160,27 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
                      "student": promo.candidate if promo.changed else None},
         "stages": rc.stages,
     }
+
+
+@contextlib.contextmanager
+def stop_threads_on_interrupt(futures: list, grace: float | None = None) -> Iterator[None]:
+    """When the flow's thread is interrupted (SIGTERM through Prefect's TerminationSignal, Ctrl-C, capflow's
+    Stopped), ask the tasks running in worker threads to stop too (:mod:`captioning.stopping`: training ends
+    after its current step, its MLflow runs end KILLED) and wait for them, at most ``grace`` seconds (default
+    ``CAPFLOW_STOP_GRACE``), before the interrupt goes on; otherwise the threads would train to their end."""
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, Exception):
+            from captioning import stopping
+            from flows.shutdown import exit_status, grace_seconds
+
+            stopping.request(exit_status(e) - 128)
+            deadline = time.monotonic() + (grace_seconds() if grace is None else grace)
+            for f in futures:
+                with contextlib.suppress(Exception):
+                    f.wait(timeout=max(0.0, deadline - time.monotonic()))
+        raise
 
 
 class SQLiteLockedFilter(logging.Filter):
@@ -186,6 +220,50 @@ def quiet_database_locked(filter_: logging.Filter | None = None) -> None:
 _LOCKED_FILTER = SQLiteLockedFilter()
 
 
+@contextlib.contextmanager
+def _server_outside_our_process_group() -> Iterator[None]:
+    """Prefect's temporary server is started in a session of its own that dies with this process (Linux parent-
+    death signal): a Ctrl-C or a process-group SIGTERM then reaches capflow only, which reports its flow run's end
+    to the server and stops it at exit, instead of the server dying first and Prefect waiting on it until the
+    grace period ran out; a SIGKILLed capflow still takes the server with it."""
+    import ctypes
+    import signal as _signal
+
+    from prefect.server.api import server as prefect_server
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the server stays in capflow's process group
+        yield
+        return
+
+    def die_with_parent() -> None:  # in the child, before exec: one system call
+        prctl(1, int(_signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+    real = prefect_server.subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any):
+        kwargs.setdefault("start_new_session", True)
+        kwargs.setdefault("preexec_fn", die_with_parent)
+        return real(*args, **kwargs)
+
+    prefect_server.subprocess = _PopenOverride(prefect_server.subprocess, popen)
+    try:
+        yield
+    finally:
+        prefect_server.subprocess = prefect_server.subprocess.module
+
+
+class _PopenOverride:
+    """The ``subprocess`` module as Prefect's server module sees it during the start: Popen replaced."""
+
+    def __init__(self, module: Any, popen: Any):
+        self.module, self.Popen = module, popen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
 class PrefectUnavailable(RuntimeError):
     """Prefect's temporary API server did not start."""
 
@@ -210,7 +288,8 @@ def start_prefect_api() -> str | None:
     timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
     server = SubprocessASGIServer()
     try:
-        server.start(timeout=timeout)
+        with _server_outside_our_process_group():
+            server.start(timeout=timeout)
     except Exception as e:
         server.stop()  # a server still starting is not left behind
         cause = " ".join(str(e).split())

@@ -6,7 +6,8 @@ the reverse (workers before the server, or they hang). State lives in one projec
 (``.capflow/stack`` unless ``CAPFLOW_STACK_HOME`` or ``--home`` says otherwise): ``stack.json`` (ports, PIDs,
 bucket; mode 0600 because it holds the local endpoint's throw-away credentials), ``logs/``, the MLflow and
 Prefect databases, and ``s3/`` - a snapshot of the bucket taken at ``down`` and restored at ``up``, because the
-moto server keeps objects in memory only.
+moto server keeps objects in memory only. ``status`` says running / degraded (N of M services healthy) / stopped;
+when the S3 endpoint died, ``status`` and ``down`` say that what it held since the last snapshot is lost.
 
 Everything binds 127.0.0.1. Credentials for the local endpoint are random per stack and never logged; against
 real servers, credentials come from the environment (see infra/README.md).
@@ -222,9 +223,35 @@ class Stack:
 
     def status(self) -> dict[str, Any]:
         services = self.service_status()
-        return {"running": bool(self.pids) and all(s["healthy"] for s in services.values()),
-                "prefect_api": self.prefect_api, "mlflow": self.mlflow_url, "s3_endpoint": self.s3_endpoint,
-                "bucket": self.bucket, "prefect_ui": self.prefect_ui, "home": str(self.home), "services": services}
+        started = {n: s for n, s in services.items() if s["pid"]}  # services this stack started (--no-worker)
+        healthy = [n for n, s in started.items() if s["healthy"]]
+        state = ("stopped" if not any(s["alive"] for s in started.values())
+                 else "running" if len(healthy) == len(started) else "degraded")
+        out = {"running": state == "running", "state": state,
+               "healthy": f"{len(healthy)} of {len(started) or len(ORDER)}",
+               "prefect_api": self.prefect_api, "mlflow": self.mlflow_url, "s3_endpoint": self.s3_endpoint,
+               "bucket": self.bucket, "prefect_ui": self.prefect_ui, "home": str(self.home), "services": services}
+        if "s3" in started and not started["s3"]["alive"]:
+            out["s3_lost"] = self.s3_loss_note()
+        return out
+
+    # the moto server keeps objects in memory: what a dead one took with it
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.home / "s3" / self.bucket
+
+    def snapshot_info(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.home / "s3" / f"{self.bucket}.snapshot.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def s3_loss_note(self) -> str:
+        snap = self.snapshot_info()
+        since = (f"since the snapshot of {snap['time']} ({snap.get('objects', '?')} objects in {self.snapshot_dir})"
+                 if snap.get("time") else "since it started (no snapshot was ever taken)")
+        return (f"the S3 endpoint (moto, objects in memory only) is not running: the objects written {since} are "
+                "lost; MLflow artifacts and feature stores written there since then must be produced again")
 
     def _start(self, name: str, timeout: float) -> None:
         logs = self.home / "logs"
@@ -296,17 +323,24 @@ class Stack:
         return self.status()
 
     def down(self, *, snapshot: bool = True) -> dict[str, Any]:
+        """Stop everything. The result says what happened to the bucket: ``s3_kept`` (objects snapshot to disk)
+        or ``s3_lost`` (the endpoint was dead, or the snapshot failed: what it held since the last snapshot is
+        gone - moto keeps objects in memory only)."""
+        s3: dict[str, Any] = {}
         if snapshot and _alive(self.pids.get("s3")):
             try:
-                self._snapshot_bucket()
+                s3["s3_kept"] = {"objects": self._snapshot_bucket(), "snapshot": str(self.snapshot_dir)}
             except Exception as e:  # keep stopping; say what was not kept
                 log.error("could not snapshot bucket %s: %s", self.bucket, e)
+                s3["s3_lost"] = f"the bucket could not be saved ({type(e).__name__}: {e}); " + self.s3_loss_note()
+        elif snapshot and self.pids.get("s3"):  # started by this stack, dead now
+            s3["s3_lost"] = self.s3_loss_note()
         for n in reversed(ORDER):
             self._stop(n)
         self.started_at = None
         self.save()
         left = [f"{n}:{p}" for n, p in self.ports.items() if not port_free(p)]
-        return {"stopped": True, "ports_still_in_use": left, "runs_killed": self.end_orphaned_runs()}
+        return {"stopped": True, "ports_still_in_use": left, "runs_killed": self.end_orphaned_runs(), **s3}
 
     def end_orphaned_runs(self) -> list[str]:
         """With the servers stopped: end KILLED the MLflow runs left RUNNING in the stack's store whose process is
@@ -346,9 +380,9 @@ class Stack:
             keys += [o["Key"] for o in page.get("Contents", [])]
         return keys
 
-    def _snapshot_bucket(self) -> None:
+    def _snapshot_bucket(self) -> int:
         s3 = self.s3_client()
-        dest = self.home / "s3" / self.bucket
+        dest = self.snapshot_dir
         tmp = dest.with_name(dest.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         n = 0
@@ -360,7 +394,10 @@ class Stack:
         tmp.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.replace(dest)
+        (dest.parent / f"{self.bucket}.snapshot.json").write_text(json.dumps(
+            {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "objects": n}))
         log.info("bucket %s: %d objects kept in %s", self.bucket, n, dest)
+        return n
 
     def _restore_bucket(self) -> None:
         s3 = self.s3_client()

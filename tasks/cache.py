@@ -12,12 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 from captioning.data.stores import CorruptDataError
+from captioning.util import atomic_write
 from captioning.workdir import Workdir
 from tasks.refs import RecordMismatch, Ref
 
@@ -103,10 +103,8 @@ class StageCache:
     def put(self, stage: str, key: str, result: Ref) -> None:
         p = self.path(stage, key)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"stage": stage, "key": key, "result": result.to_record()}, default=str),
-                       encoding="utf-8")
-        os.replace(tmp, p)
+        doc = json.dumps({"stage": stage, "key": key, "result": result.to_record()}, default=str)
+        atomic_write(p, lambda f: f.write(doc.encode("utf-8")), "stage record")  # no temp file left behind
 
     def latest(self, stage: str, kind: type[R]) -> R | None:
         """The most recently written readable record of ``stage`` (what single-stage commands fall back to);

@@ -239,7 +239,7 @@ def test_capflow_run_with_an_unreachable_tracking_server_stops_before_any_stage(
     out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--set",
                           f"run.workdir={work}"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert time.monotonic() - t0 < 60
-    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.returncode == 3, out.stderr[-3000:]  # the environment failed, not the input (issue 34)
     assert f"capflow run: error: the MLflow tracking server http://127.0.0.1:{port} is unreachable" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (work / "stages").exists() and not (work / "datasets").exists()
@@ -281,7 +281,7 @@ def test_prefect_server_that_does_not_start_in_time_names_the_cause_and_the_way_
     work = tmp_path / "w"
     out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--set",
                           f"run.workdir={work}"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.returncode == 3, out.stderr[-3000:]  # the environment failed, not the input (issue 34)
     err = out.stderr
     assert "capflow run: error: Prefect's temporary API server did not start within 1 s" in err
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180" in err and "capflow stack up --home" in err

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from captioning.data.stores import CorruptDataError
+from captioning.util import atomic_write
 
 FORMAT = "capflow-checkpoint/1"
 
@@ -64,10 +65,9 @@ def save(path: str | Path, *, model: torch.nn.Module, arch: dict[str, Any], voca
         "rng": rng_state(),
         "extra": _plain(extra or {}),
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    return path
+    # through a file object, so that a full disk is an OSError (ENOSPC) naming the file, not torch's "unexpected
+    # pos"; the temporary file goes on any failure or interruption (SIGTERM), the previous checkpoint stays
+    return atomic_write(path, lambda f: torch.save(state, f), "checkpoint")
 
 
 class CheckpointError(CorruptDataError):
@@ -164,9 +164,7 @@ def save_model_dir(path: str | Path, *, model: torch.nn.Module, arch: dict[str, 
     meta = {"student": student, "preset": preset, "features": features, "max_words": max_words, "beam": beam,
             "test_metrics": dict(test_metrics or {})}
     for name, text in ((VOCAB_FILE, vocab_text), (META_FILE, json.dumps(meta, indent=2))):
-        tmp = out / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out / name)
+        atomic_write(out / name, lambda f, t=text: f.write(t.encode("utf-8")))
     return out
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from captioning import stopping
 from captioning.data.loader import CaptionDataset, make_loader
 from captioning.models.encoder_decoder import PAD, Captioner
 from captioning.precision import autocast, grad_scaler, resolve_precision
@@ -342,6 +343,7 @@ def train(
                 bar.set_postfix(loss=f"{float(total) / seen:.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
             if stop_after_steps is not None and step >= stop_after_steps:
                 raise KeyboardInterrupt(f"stopped after {step} steps (test hook)")
+            stopping.check(f"training step {step}; {last} holds the last finished epoch")  # SIGTERM, any thread
         metrics: dict[str, Any] = {"epoch": epoch, "loss": float(total) / max(seen, 1),
                                    "lr": sched.get_last_lr()[0], "seconds": time.perf_counter() - t0}
         if validate is not None and rank == 0:

@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 
-from captioning.config import ConfigError
+from captioning.config import ConfigError, load_config
 from flows.cli.common import CLIError, config_args, parse_students, pipeline_args
+from flows.cli.failures import INFRA_EXIT
 
-__all__ = ["CLIError", "build_parser", "config_args", "main", "parse_students"]
+__all__ = ["INFRA_EXIT", "CLIError", "build_parser", "config_args", "main", "parse_students"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,17 +58,58 @@ def main(argv: list[str] | None = None) -> int:
     from captioning.data.karpathy import DatasetError
     from captioning.data.stores import StoreError
     from captioning.safe_pickle import UnsafePickleError
+    from flows import shutdown
+    from flows.cli.common import workdir_lock
     from flows.stack import StackError
     from tasks.data import MissingStageError
 
     try:
-        return func(args)
+        # SIGTERM/SIGINT stop every stage (any thread) within a grace period; one run per workdir: a second
+        # writer stops here, naming the holder
+        with shutdown.graceful(), workdir_lock(args):
+            return func(args)
     except (ConfigError, DatasetError, StoreError, StackError, CLIError, UnsafePickleError, MissingStageError) as e:
         from captioning.redact import redact
 
         print(f"capflow {args.command}: error: {redact(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except Exception as e:  # the disk, the S3 endpoint, the tracking server, ...: one line naming what failed
+        from flows.cli.failures import describe
 
+        msg = describe(e, args.command, _writing(args))
+        if msg is None:
+            raise
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(f"capflow {args.command}: error: {msg}", file=sys.stderr)
+        return INFRA_EXIT
+    except BaseException as e:
+        if not shutdown.is_stop(e):
+            raise
+        code = shutdown.exit_status(e)
+        if not isinstance(e, KeyboardInterrupt):  # a signal (a KeyboardInterrupt here was raised by code)
+            shutdown.exiting(code - 128)
+        # Prefect's temporary server stops at exit, after Prefect sent its last logs and states (stopping it here
+        # would leave those waiting on a dead server); the watchdog bounds the whole exit
+        print(f"capflow {args.command}: stopped ({signal.Signals(code - 128).name}); finished stages and the last "
+              "epoch checkpoints are kept: the same command resumes", file=sys.stderr)
+        if argv is None and not isinstance(e, KeyboardInterrupt) and shutdown.prefect_server_gone(code - 128):
+            shutdown.exit_now(code)  # Prefect's exit handlers would wait for its dead server until the watchdog
+        return code
+
+
+def _writing(args: argparse.Namespace) -> str:
+    """What a command writes into, for a failure that names no file (a full disk under a store's chunk): the
+    feature store for extract/import-features, else the workdir; "" when the configuration is unreadable."""
+    if not hasattr(args, "overrides"):
+        return ""
+    try:
+        preset = args.preset or ("demo" if args.command == "run" and not args.config else None)
+        cfg = load_config(preset, args.config, args.overrides)
+    except Exception:
+        return ""
+    if args.command in ("extract", "import-features"):
+        return f"the feature store folder {cfg.feature_store_uri()}"
+    return f"the workdir {cfg.workdir}"

@@ -44,6 +44,27 @@ def load_cfg(args: argparse.Namespace) -> PipelineConfig:
     return load_config(args.preset, args.config, args.overrides)
 
 
+#: commands that write into the workdir: each holds its lock (one run per workdir, captioning.locks)
+WRITERS = frozenset({"run", "ingest", "extract", "import-features", "vocab", "train"})
+
+
+def workdir_lock(args: argparse.Namespace):
+    """The workdir lock a command holds while it runs (a no-op context for commands that only read). ``capflow
+    run`` without a preset or config runs the demo preset, so its workdir is the demo's."""
+    import contextlib
+
+    command = getattr(args, "command", "")
+    if command not in WRITERS and not (command == "verify" and getattr(args, "repair", False)):
+        return contextlib.nullcontext()
+    from captioning.locks import hold_workdir
+
+    preset = args.preset or ("demo" if command == "run" and not args.config else None)
+    cfg = load_config(preset, args.config, args.overrides)
+    if command == "verify" and not cfg.workdir.is_dir():
+        return contextlib.nullcontext()  # verify names the missing workdir itself
+    return hold_workdir(cfg.workdir, f"capflow {command}")
+
+
 def local_context(args: argparse.Namespace, progress: bool = True):
     """The run context of a single-stage command (:meth:`tasks.common.RunContext.local`)."""
     from tasks.common import RunContext

@@ -54,16 +54,23 @@ def cmd_stack(args: argparse.Namespace) -> int:
                                   if res["ports_still_in_use"] else "")
                   + (f"; {len(res['runs_killed'])} unfinished MLflow run(s) marked KILLED"
                      if res["runs_killed"] else ""))
+            if "s3_kept" in res:
+                print(f"  bucket {st.bucket}: {res['s3_kept']['objects']} objects kept in {res['s3_kept']['snapshot']}")
+        if "s3_lost" in res:
+            print(f"capflow stack down: warning: {res['s3_lost']}", file=sys.stderr)
         return 0 if not res["ports_still_in_use"] else 1
     if args.action == "status":
         res = st.status()
         if args.json:
             print(json.dumps(res, indent=2))
         else:
-            print(f"stack in {st.home}: {'running' if res['running'] else 'not running'}")
+            print(f"stack in {st.home}: {res['state']} ({res['healthy']} services healthy)")
             for name, s in res["services"].items():
-                state = "healthy" if s["healthy"] else "running, not healthy" if s["alive"] else "stopped"
+                state = ("healthy" if s["healthy"] else "running, not healthy" if s["alive"] else
+                         "stopped" if s["pid"] else "not started")
                 print(f"  {name:8s} {state:22s} pid {s['pid'] or '-'}   log {s['log']}")
+        if "s3_lost" in res:
+            print(f"capflow stack status: warning: {res['s3_lost']}", file=sys.stderr)
         return 0 if res["running"] else 1
     if args.action == "env":
         if not st.state_file.exists() or not st.key_id:
