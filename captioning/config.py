@@ -68,10 +68,10 @@ class RunConfig(Section):
 
 
 class SyntheticConfig(Section):
-    num_images: int = Field(1000, ge=1, description="Number of synthetic images to generate")
+    num_images: int = Field(1000, ge=1, le=100_000_000, description="Number of synthetic images to generate")
     seed: int = Field(0, description="Seed of the synthetic dataset (same seed -> identical files)")
-    min_size: int = Field(96, ge=32, description="Smallest image side in pixels")
-    max_size: int = Field(192, ge=32, description="Largest image side in pixels")
+    min_size: int = Field(96, ge=32, le=4096, description="Smallest image side in pixels")
+    max_size: int = Field(192, ge=32, le=4096, description="Largest image side in pixels")
     max_objects: int = Field(4, ge=1, le=8, description="Most objects drawn in one scene")
     png_fraction: float = Field(0.3, ge=0, le=1, description="Share of images written as PNG (rest JPEG)")
     val_fraction: float = Field(0.1, ge=0, le=1, description="Share of images in the val split")
@@ -92,12 +92,12 @@ class DatasetConfig(Section):
     restval_split: Literal["train", "val", "test", "drop"] = Field(
         "train", description="Where Karpathy 'restval' images go"
     )
-    max_words: int = Field(16, ge=1, description="Captions are truncated to this many words")
+    max_words: int = Field(16, ge=1, le=1024, description="Captions are truncated to this many words")
     image_check: Literal["none", "header", "decode"] = Field(
         "header",
         description="Image check at ingest: none, header (+ end marker of JPEG/PNG), decode (full decode)",
     )
-    hash_workers: int = Field(4, ge=1, description="Threads hashing image files for the dataset digest")
+    hash_workers: int = Field(4, ge=1, le=1024, description="Threads hashing image files for the dataset digest")
 
 
 class BottomUpOptions(Section):
@@ -167,9 +167,9 @@ class ExtractorConfig(Section):
     )
     weights: str | None = Field(None, description="Detector weights: local path or s3:// URI; unset = random")
     weights_sha256: str | None = Field(None, description="Expected sha256 of the weights file (checked)")
-    min_size: int = Field(600, ge=16, description="Short image side at inference (pixels)")
-    max_size: int = Field(1000, ge=16, description="Longest image side at inference (pixels)")
-    proposals: int = Field(300, ge=1, description="RPN proposals kept after NMS per image")
+    min_size: int = Field(600, ge=16, le=8192, description="Short image side at inference (pixels)")
+    max_size: int = Field(1000, ge=16, le=16384, description="Longest image side at inference (pixels)")
+    proposals: int = Field(300, ge=1, le=100_000, description="RPN proposals kept after NMS per image")
     conf_threshold: float = Field(0.2, ge=0, le=1, description="Keep boxes whose best class score is above")
     nms_threshold: float = Field(0.3, ge=0, le=1, description="Per-class NMS IoU threshold")
     amp: bool | None = Field(
@@ -177,7 +177,7 @@ class ExtractorConfig(Section):
         "default (see capflow bench extract --device cuda), never on CPU"
     )
     amp_dtype: Literal["float16", "bfloat16"] = Field("float16", description="Autocast dtype when amp is true")
-    batch_size: int | None = Field(None, ge=1, description="Images per forward pass; unset = 16 on CUDA, 2 on CPU")
+    batch_size: int | None = Field(None, ge=1, le=4096, description="Images per forward pass; unset = 16 on CUDA, 2 on CPU")
     batching: Literal["auto", "exact", "padded"] = Field(
         "auto",
         description="exact: batch only images of the same resized shape, ROI head image by image (CPU results "
@@ -207,7 +207,7 @@ class ExtractorConfig(Section):
     threads: int = Field(
         1, ge=1, description="CPU threads per model (per Dask worker); CPU results are bit-identical per value"
     )
-    fixed_boxes: int | None = Field(None, ge=1, description="Keep exactly this many boxes (e.g. 36); unset = adaptive")
+    fixed_boxes: int | None = Field(None, ge=1, le=10_000, description="Keep exactly this many boxes (e.g. 36); unset = adaptive")
     min_image_side: int = Field(16, ge=1, description="Images with a shorter side are rejected as too small")
     max_image_pixels: int = Field(
         100_000_000, ge=1, description="Images with more pixels are rejected (decompression-bomb guard)"
@@ -222,15 +222,15 @@ class FeaturesConfig(Section):
     )
     store: str | None = Field(None, description="Folder (path or s3://) holding the feature stores, each named by "
                                "what determines its content; unset = <workdir>/features/")
-    min_boxes: int = Field(10, ge=1, description="Fewest boxes kept per image")
-    max_boxes: int = Field(100, ge=1, description="Most boxes kept per image (= B_max of the store)")
-    feature_dim: int = Field(2048, ge=1, description="Region feature width")
+    min_boxes: int = Field(10, ge=1, le=10_000, description="Fewest boxes kept per image")
+    max_boxes: int = Field(100, ge=1, le=10_000, description="Most boxes kept per image (= B_max of the store)")
+    feature_dim: int = Field(2048, ge=1, le=65_536, description="Region feature width")
     dtype: Literal["float16", "float32"] = Field("float16", description="Stored feature precision")
-    chunk_rows: int = Field(8, ge=1, description="Images per Zarr chunk (the unit of parallel writing)")
+    chunk_rows: int = Field(8, ge=1, le=1_000_000, description="Images per Zarr chunk (the unit of parallel writing)")
     compressor: Literal["none", "lz4", "zstd"] = Field(
         "lz4", description="Blosc codec for features (byte-shuffled); none = raw"
     )
-    workers: int = Field(2, ge=1, description="Dask worker processes for extraction (LocalCluster)")
+    workers: int = Field(2, ge=1, le=4096, description="Dask worker processes for extraction (LocalCluster)")
     dask_address: str | None = Field(None, description="Dask scheduler address; unset = LocalCluster on 127.0.0.1")
     extractor: ExtractorConfig = Field(default_factory=ExtractorConfig, description="Detector settings")
 
@@ -241,9 +241,9 @@ class VocabConfig(Section):
 
 
 class LoaderConfig(Section):
-    batch_size: int = Field(10, ge=1, description="Images per training batch")
-    captions_per_image: int = Field(5, ge=1, description="Captions drawn per image in a batch")
-    shuffle_buffer: int = Field(256, ge=1, description="Images held in the shuffle buffer")
+    batch_size: int = Field(10, ge=1, le=1_000_000, description="Images per training batch")
+    captions_per_image: int = Field(5, ge=1, le=1000, description="Captions drawn per image in a batch")
+    shuffle_buffer: int = Field(256, ge=1, le=100_000_000, description="Images held in the shuffle buffer")
     workers: int = Field(0, ge=0, description="DataLoader worker processes (0 = in the main process)")
     standardize_features: bool = Field(
         True, description="Standardise region features per dimension with the training split's statistics, stored "
@@ -252,15 +252,15 @@ class LoaderConfig(Section):
 
 class ModelConfig(Section):
     arch: str = Field("aic", description="Architecture preset name from the model registry")
-    d_model: int = Field(512, ge=8, description="Model width d")
-    layers: int = Field(6, ge=1, description="Encoder and decoder layers each")
-    heads: int = Field(8, ge=1, description="Attention heads")
-    d_ff: int = Field(2048, ge=8, description="FFN hidden width")
+    d_model: int = Field(512, ge=8, le=65_536, description="Model width d")
+    layers: int = Field(6, ge=1, le=1024, description="Encoder and decoder layers each")
+    heads: int = Field(8, ge=1, le=1024, description="Attention heads")
+    d_ff: int = Field(2048, ge=8, le=1_048_576, description="FFN hidden width")
     dropout: float = Field(0.1, ge=0, le=1, description="Dropout inside the stacks")
 
 
 class XEConfig(Section):
-    epochs: int = Field(15, ge=1, description="Cross-entropy epochs")
+    epochs: int = Field(15, ge=1, le=100_000, description="Cross-entropy epochs")
     noam_factor: float = Field(1.0, gt=0, description="Noam schedule factor")
     warmup: int = Field(10000, ge=1, description="Noam warm-up steps")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing of the XE loss")
@@ -269,12 +269,12 @@ class XEConfig(Section):
 
 class SCSTConfig(Section):
     enabled: bool = Field(True, description="Run SCST fine-tuning after XE")
-    epochs: int = Field(10, ge=1, description="SCST epochs")
+    epochs: int = Field(10, ge=1, le=100_000, description="SCST epochs")
     epochs_for: dict[str, int] = Field(
         default_factory=dict, description="SCST epochs of named students (a family or registry preset: "
         "{expansionnet: 10}), overriding `epochs` for them")
     lr: float = Field(5e-5, gt=0, description="Constant SCST learning rate")
-    samples: int = Field(5, ge=2, description="Sampled captions per image")
+    samples: int = Field(5, ge=2, le=1000, description="Sampled captions per image")
     baseline: Literal["mean", "greedy"] = Field("mean", description="Reward baseline: mean of others or greedy")
     batch_size: int | None = Field(None, ge=1, description="Images per SCST batch (each sampled `samples` times); "
                                    "unset = loader.batch_size")
@@ -322,7 +322,7 @@ class StudentsConfig(Section):
                                      "students; unset = a LocalCluster of students.workers processes")
     threads: int | None = Field(None, ge=1, description="Torch threads per student process on a cluster (default: "
                                 "usable CPUs // students.workers)")
-    seqkd_beam: int = Field(5, ge=1, description="Beam size of the teacher when generating SeqKD captions")
+    seqkd_beam: int = Field(5, ge=1, le=1000, description="Beam size of the teacher when generating SeqKD captions")
     seqkd_for: list[str] = Field(
         default_factory=lambda: ["satic"], description="Students trained on the teacher's SeqKD captions"
     )
@@ -334,7 +334,7 @@ class StudentsConfig(Section):
 
 
 class EvalConfig(Section):
-    beam: int = Field(3, ge=1, description="Beam size at evaluation")
+    beam: int = Field(3, ge=1, le=1000, description="Beam size at evaluation")
     decoding_constraint: bool = Field(
         False, description="Never emit a word right after itself when decoding the evaluated split (the released "
         "SATIC/self-critical code's --decoding_constraint, off there by default; a radix word counts as a word)",

@@ -117,3 +117,14 @@ def test_deeply_nested_json_is_refused_naming_the_file(tmp_path: Path) -> None:
     deep.write_text('{"images": ' + "[" * 200_000 + "]" * 200_000 + "}")
     with pytest.raises(ValueError, match=rf"^results file {deep} is nested too deeply to be read"):
         read_json(deep, "results", ValueError)
+
+
+@pytest.mark.parametrize("override", ["features.max_boxes=100000000", "loader.batch_size=12345678901234567890",
+                                      "features.extractor.proposals=1e9", "features.chunk_rows=10000000000"])
+def test_absurd_sizes_are_refused_naming_the_key(override):
+    """A size no machine can hold is a config error naming the key, not a half-made store later."""
+    from captioning.config import ConfigError, load_config
+
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("demo", overrides=[override])
