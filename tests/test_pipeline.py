@@ -105,12 +105,26 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
         if name == "satic":
             assert {"seqkd-captions", "teacher-checkpoint"} <= set(inputs)
             assert srun.data.params["init_from_teacher"] == "true" and srun.data.metrics["init_loaded"] > 0
-        assert "model" in {a.path for a in c.list_artifacts(srun.info.run_id)}
+        # the student's model is an MLflow Model: a LoggedModel output of its run, with the test metrics linked
+        (out,) = srun.outputs.model_outputs
+        lm = c.get_logged_model(out.model_id)
+        assert lm.source_run_id == srun.info.run_id and lm.tags["capflow.student"] == name
+        linked = {m.key: m for m in lm.metrics}
+        assert linked["test_CIDEr"].value == srun.data.metrics["test_CIDEr"]
+        assert linked["test_CIDEr"].dataset_name == "dataset" and linked["test_CIDEr"].dataset_digest == \
+            inputs["dataset"]
     teacher_inputs = {d.dataset.name for d in children["teacher"].inputs.dataset_inputs}
     assert teacher_inputs == {"dataset", "features", "labels"}
-    # registry: one version per student, champion = best
+    (teacher_out,) = children["teacher"].outputs.model_outputs  # the teacher is an MLflow Model too, not registered
+    teacher_model = c.get_logged_model(teacher_out.model_id)
+    assert teacher_model.tags["capflow.student"] == "teacher" and {m.key for m in teacher_model.metrics} == \
+        {"best_val_CIDEr"}
+    # registry: one version per student, made from its LoggedModel; champion = best
     versions = c.search_model_versions("name='capflow-captioner'")
     assert len(versions) == 5
+    logged = {m.model_id: m for m in c.search_logged_models([res["experiment_id"]])
+              if m.tags["capflow.student"] != "teacher"}
+    assert len(logged) == 5 and {v.source for v in versions} == {f"models:/{m}" for m in logged}
     champ = c.get_model_version_by_alias("capflow-captioner", "champion")
     assert str(champ.version) == res["champion"]["version"]
     assert champ.tags["student"] == res["leaderboard"][0]["student"]
@@ -133,6 +147,8 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
 
     # one front door: the single-stage commands find the run's outputs without path flags
     _single_stage_commands_after_the_run(tmp_path, ann, images, res, capsys)
+    # new data: a champion scored on another test set is re-scored on this one before a challenger can take over
+    _champion_rescored_on_a_changed_test_set(tmp_path, ann, images, res)
 
 
 def _loads(path: Path) -> bool:
@@ -215,3 +231,51 @@ def test_killed_run_resumes_student_from_its_checkpoint(tmp_path):
     assert not [r.data.tags["mlflow.runName"] for r in runs if r.info.status == "RUNNING"]
     killed = {r.data.tags["mlflow.runName"] for r in runs if r.info.status == "KILLED"}
     assert {"pipeline", STUDENTS["zodiac"]} <= killed
+
+
+def _champion_rescored_on_a_changed_test_set(work, ann, images, res):
+    """Promotion after a test-set change, with the run's real stores and models: the champion is re-scored on
+    this run's test set by the same evaluation (so exactly its leaderboard CIDEr), a planted challenger just below
+    that stays out, one just above takes over; a champion of other feature settings is scored from the images."""
+    from captioning.config import load_config
+    from tasks.cache import StageCache
+    from tasks.common import RunContext
+    from tasks.data import extract, ingest, vocab
+    from tasks.report import promote, rescore_champion
+    from tasks.tracking import Tracker
+
+    cfg = load_config("tiny", None, _overrides(work, ann, images))
+    tr = Tracker(cfg)
+    c = tr.client
+    version, tags = tr.champion()
+    champion = {"model_version": version}
+    other = next(r for r in res["leaderboard"] if r["model_version"] != version)
+    tr.client.set_model_version_tag("capflow-captioner", version, "test_set", "an-older-test-set")
+    cider = float(tags["test_CIDEr"])
+    with tr.run("promotion-check") as parent:
+        rc = RunContext(cfg, tr, parent, StageCache(cfg.workdir))
+        data = ingest(rc)
+        feats = extract(rc, data)
+        labels = vocab(rc, data, feats)
+        planted = {"student": "planted", "model_version": other["model_version"], "metrics": {"CIDEr": cider - 1e-3}}
+        kept = promote(rc, {"leaderboard": [planted]}, data.digest, data, feats, labels)
+        assert not kept.changed and kept.champion_version == champion["model_version"], kept
+        assert kept.champion_cider == pytest.approx(cider, abs=1e-9) and "re-scored" in kept.reason
+        assert tr.champion()[0] == champion["model_version"]
+        # re-scored by the same evaluation: every metric is the one its run recorded on the same test set
+        assert kept.rescored == "decoded from this run's feature store"
+        recorded = c.get_run(c.get_model_version("capflow-captioner", version).run_id).data.metrics
+        again = {k[len("champion_rescored_test_"):]: v for k, v in c.get_run(parent).data.metrics.items()
+                 if k.startswith("champion_rescored_test_")}
+        assert again["Bleu_1"] > 0 and again == pytest.approx({k: recorded[f"test_{k}"] for k in again}, abs=1e-9)
+        # the same champion under other feature settings: its own extraction of the test images
+        other_cfg = load_config("tiny", None, [*_overrides(work, ann, images), "features.max_boxes=11"])
+        extracted = rescore_champion(RunContext(other_cfg, tr, parent, StageCache(cfg.workdir)),
+                                     champion["model_version"], data, feats, labels)
+        assert extracted["how"].startswith("its own feature settings differ") and extracted["CIDEr"] >= 0, extracted
+        planted["metrics"]["CIDEr"] = cider + 1e-3
+        taken = promote(rc, {"leaderboard": [planted]}, data.digest, data, feats, labels)
+        assert taken.changed and tr.champion()[0] == other["model_version"]
+        assert taken.reason.startswith(f"better than the current champion v{champion['model_version']} re-scored")
+    record = json.loads(Path(c.download_artifacts(parent, "promotion.json", str(work / "dl-promotion"))).read_text())
+    assert record["champion_cider"] == pytest.approx(cider, abs=1e-9) and record["reason"] == taken.reason

@@ -137,9 +137,12 @@ def test_cli_run_lands_every_artifact_in_the_bucket(plat):
     body = plat.stack.s3_client().get_object(Bucket="capflow-test", Key=parent + "leaderboard.json")["Body"].read()
     assert json.loads(body)["leaderboard"][0]["student"] == "lw"
     student = next(r for r in runs if r.data.tags.get("mlflow.runName") == "lw-1x")
-    model_dir = f"mlflow/{res['experiment_id']}/{student.info.run_id}/artifacts/model/"
-    model_keys = {k for k in keys if k.startswith(model_dir)}
-    assert {k.rsplit("/", 1)[1] for k in model_keys} == {"model.pt", "vocab.json", "capflow.json"}
+    # the student's MLflow Model (a LoggedModel of its run): MLmodel, model code, the capflow folder, in the bucket
+    (output,) = student.outputs.model_outputs
+    model_dir = f"mlflow/{res['experiment_id']}/models/{output.model_id}/artifacts/"
+    model_keys = {k[len(model_dir):] for k in keys if k.startswith(model_dir)}
+    assert {"MLmodel", "pyfunc_captioner.py", "requirements.txt", "artifacts/model/model.pt",
+            "artifacts/model/vocab.json", "artifacts/model/capflow.json"} <= model_keys
     assert client.get_model_version_by_alias("capflow-captioner", "champion").run_id == student.info.run_id
     plat.first = res
 
