@@ -323,8 +323,12 @@ class _ChunkedStore:
         bytes). One read per array for the whole run; a read that fails is retried chunk by chunk to name the
         damaged files."""
         start, stop = self._range(chunks[0])[0], self._range(chunks[-1])[1]
+
+        def read(name: str):
+            fast = _read_rows_direct(self.group, self._array(name), start, stop)  # a run of many small chunks
+            return fast if fast is not None else self._array(name)[start:stop]
         try:
-            values = {n: self._array(n)[start:stop] for n in self.ARRAYS}
+            values = {n: read(n) for n in self.ARRAYS}
         except Exception:
             values = None
         if values is not None:

@@ -9,6 +9,7 @@ so that 0 stays padding: digit tokens ``1..v``, ``<bos>`` = v+1, ``<eos>`` = v+2
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import unicodedata
@@ -35,8 +36,11 @@ def tokenize(text: str, max_words: int | None = None) -> list[str]:
     punctuation or symbol character (Unicode categories P* and S*) separates words, except apostrophes,
     which are dropped inside a word. Non-ASCII letters (``cafe`` with an accent) are kept as letters.
     """
+    if text.isascii():  # the common case, same result in C: NFKC leaves ASCII alone, separators -> spaces
+        out = text.lower().translate(_ASCII_SEPARATORS).split()
+        return out[:max_words] if max_words is not None else out
     text = unicodedata.normalize("NFKC", text).lower()
-    out: list[str] = []
+    out = []
     buf: list[str] = []
     for ch in text:
         if ch in _JOINERS:
@@ -53,6 +57,21 @@ def tokenize(text: str, max_words: int | None = None) -> list[str]:
     return out[:max_words] if max_words is not None else out
 
 
+def _ascii_separators() -> dict[int, str | None]:
+    """``str.translate`` table of ASCII: joiners deleted, every character :func:`tokenize` splits on -> a space
+    (letters and digits stay; every ASCII character that ``str.split`` splits on is a control or a space)."""
+    table: dict[int, str | None] = {}
+    for code in range(128):
+        ch = chr(code)
+        cat = unicodedata.category(ch)
+        if ch in _JOINERS:
+            table[code] = None
+        elif cat[0] in "PS" or cat in _SPACE_LIKE or cat == "Cf":
+            table[code] = " "
+    return table
+
+
+_ASCII_SEPARATORS = _ascii_separators()
 _WORD_RE = re.compile(r"^\S+$")
 
 
@@ -104,6 +123,10 @@ class Vocabulary:
 
     def encode(self, tokens: Sequence[str]) -> list[int]:
         return [self.id_of(t) for t in tokens]
+
+    def encode_flat(self, tokens: Iterable[str], count: int = -1) -> np.ndarray:
+        """Word ids (int32) of a stream of ``tokens`` (``count`` of them, when known) in one pass."""
+        return np.fromiter(map(self._index.get, tokens, itertools.repeat(self.unk)), np.int32, count)
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         """Word ids -> words, stopping at <eos>/<pad>, skipping <bos>."""

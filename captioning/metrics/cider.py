@@ -32,7 +32,7 @@ candidates' n-grams against a dense (image n-gram x reference) weight block of t
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from itertools import chain
+from itertools import chain, pairwise
 
 import numpy as np
 
@@ -111,12 +111,13 @@ class _NgramIndex:
         return out
 
     def _add(self, k: int, q: np.ndarray) -> np.ndarray:
-        """Append the (distinct, absent) keys q to order k; returns their new ids."""
+        """Append the (distinct, absent) keys q to order k; returns their new ids. The keys are merged into the
+        sorted table (linear in its size: a table built block by block is not re-sorted per block)."""
         new_ids = self.sizes[k] + np.arange(len(q), dtype=np.int64)
-        keys = np.concatenate([self.keys[k], q])
-        ids = np.concatenate([self.ids[k], new_ids])
-        order = np.argsort(keys, kind="stable")
-        self.keys[k], self.ids[k] = keys[order], ids[order]
+        srt = np.argsort(q, kind="stable")
+        pos = np.searchsorted(self.keys[k], q[srt])
+        self.keys[k] = np.insert(self.keys[k], pos, q[srt])
+        self.ids[k] = np.insert(self.ids[k], pos, new_ids[srt])
         self.sizes[k] += len(q)
         return new_ids
 
@@ -218,6 +219,22 @@ class _NgramIndex:
         return k - 1, gid
 
 
+_BLOCK_REFS = 32_768  # references per block at least (temporary arrays: a few KB per reference)
+_MAX_BLOCKS = 16  # at most: table merges stay few, the work linear
+
+
+def _blocks(caps: list[list]) -> list[tuple[int, int]]:
+    """Image ranges of the corpus ``caps`` holding ~max(32k, total/16) references each."""
+    counts = np.fromiter(map(len, caps), np.int64, len(caps))
+    if len(counts) == 0:
+        return [(0, 0)]
+    per = max(_BLOCK_REFS, -(-int(counts.sum()) // _MAX_BLOCKS))
+    ends = np.cumsum(counts)
+    cuts = np.searchsorted(ends, np.arange(per, int(ends[-1]), per), side="left") + 1
+    edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(caps))), len(caps)]
+    return list(pairwise(edges))
+
+
 def _as_references(references: Mapping[Hashable, Sequence] | None) -> tuple[list, list[list]]:
     if references is None:
         return [], []
@@ -276,23 +293,34 @@ class DocumentFrequency:
     @classmethod
     def from_references(cls, references: Mapping[Hashable, Sequence], n: int = 4) -> DocumentFrequency:
         """From ``{image id: [reference caption, ...]}``; captions are tokenised strings or token-id sequences."""
-        return cls._build(_as_references(references)[1], n)[0]
+        return cls._build(_as_references(references)[1], n)
 
     @classmethod
     def from_token_ids(cls, references: Mapping[Hashable, Sequence[Sequence[int]]], n: int = 4) -> DocumentFrequency:
         return cls.from_references(references, n)
 
     @classmethod
-    def _build(cls, caps: list[list], n: int) -> tuple[DocumentFrequency, _Corpus]:
-        """The DocumentFrequency of a corpus, and the encoded corpus (reused by CiderD)."""
+    def _build(cls, caps: list[list], n: int) -> DocumentFrequency:
+        """The DocumentFrequency of a corpus, built a block of images at a time (:func:`_blocks`): images are
+        documents, so the counts of disjoint blocks add up; per order, since a later block's new words move the
+        combined ids of the higher orders."""
         if n < 1:
             raise ValueError("n must be >= 1")
         index = _NgramIndex(n)
-        corpus = _Corpus(index, caps, n, add=True)
-        total = int(index.offsets()[-1])
-        _, rows, _ = corpus.image_rows(max(total, 1))
-        df = np.bincount(rows % max(total, 1), minlength=total).astype(np.float64)
-        return cls(index, df, len(caps)), corpus
+        counts = [_EMPTY] * (n + 1)  # per order k: images having each k-gram, by id
+        for lo, hi in _blocks(caps):
+            corpus = _Corpus(index, caps[lo:hi], n, add=True)
+            offsets = index.offsets()
+            total = max(int(offsets[-1]), 1)
+            _, rows, _ = corpus.image_rows(total)
+            cid = rows % total
+            order = np.searchsorted(offsets, cid, side="right") - 1  # k - 1
+            for k in range(1, n + 1):
+                size = int(offsets[k] - offsets[k - 1])
+                got = np.bincount(cid[order == k - 1] - offsets[k - 1], minlength=size)
+                counts[k] = got + np.concatenate([counts[k], np.zeros(size - len(counts[k]), np.int64)])
+        df = np.concatenate([counts[k] for k in range(1, n + 1)]).astype(np.float64)
+        return cls(index, df, len(caps))
 
     def __len__(self) -> int:
         """Number of distinct n-grams (all orders) in the table."""
@@ -326,16 +354,17 @@ class CiderD:
         if df is None:
             if not ids:
                 raise ValueError("CiderD needs references (or a precomputed df)")
-            df, corpus = DocumentFrequency._build(caps, n)
+            df = DocumentFrequency._build(caps, n)
             index = df._index
         else:
             if df.n < n:
                 raise ValueError(f"df was built for n <= {df.n}, asked for n = {n}")
             index = df._index
-            corpus = _Corpus(index, caps, n)
-            if not corpus.complete:  # reference n-grams that df lacks: add them to a private copy of the table
-                index = df._index.copy()
-                corpus = _Corpus(index, caps, n, add=True)
+            for lo, hi in _blocks(caps):  # reference n-grams that df lacks: add them to a private copy of its table
+                if index is df._index and not _Corpus(index, caps[lo:hi], n).complete:
+                    index = df._index.copy()
+                if index is not df._index:
+                    _Corpus(index, caps[lo:hi], n, add=True)
         self.n, self.sigma, self.df = n, float(sigma), df
         self.ids = ids
         self.references = dict(zip(ids, caps, strict=True))
@@ -353,27 +382,51 @@ class CiderD:
         self._idf = self._log_n - np.log(np.maximum(1.0, df_all))
         big = self._big = max(int(self._offsets[n]), 1)  # combined ids are below this
 
-        # per reference: norms per order and length; per image: distinct n-grams ("rows") and its entries
-        n_img = len(ids)
-        self._img_ref_off = np.concatenate([[0], np.cumsum(corpus.n_refs)]).astype(np.int64)
-        n_ref_total = int(self._img_ref_off[-1])
-        weight = corpus.tf * self._idf[corpus.cid]
-        self._ref_norm = np.sqrt(np.bincount(corpus.ref * n + corpus.order, weights=weight * weight,
-                                             minlength=n_ref_total * n)).reshape(n_ref_total, n)
-        self._ref_len = self._length(corpus.lengths)
-        perm, rows, row_of = corpus.image_rows(big)
-        row_img = rows // big
+        # per reference: norms per order and length; per image: distinct n-grams ("rows") and its entries. Built a
+        # block of images at a time (the table is complete now: ids are final), so that the encoding's temporary
+        # arrays stay those of a block; the blocks' parts are in image order, so they concatenate.
+        n_refs = np.fromiter(map(len, caps), np.int64, len(caps))
         cid_dtype = np.int32 if big < 2**31 else np.int64
-        self._row_cid = (rows - row_img * big).astype(cid_dtype)
-        self._img_row_off = np.concatenate([[0], np.cumsum(np.bincount(row_img, minlength=n_img))]).astype(np.int64)
-        ref_sorted = corpus.ref[perm]
-        img_sorted = corpus.img_of_ref[ref_sorted]
-        self._img_ent_off = np.concatenate([[0], np.cumsum(np.bincount(img_sorted, minlength=n_img))]).astype(
-            np.int64)
-        self._ent_row = (row_of - self._img_row_off[img_sorted]).astype(np.int32)  # row within its image
-        col_dtype = np.int8 if len(corpus.n_refs) == 0 or corpus.n_refs.max() < 128 else np.int32
-        self._ent_col = (ref_sorted - self._img_ref_off[img_sorted]).astype(col_dtype)  # reference within image
-        tf = corpus.tf[perm]
+        col_dtype = np.int8 if len(n_refs) == 0 or n_refs.max() < 128 else np.int32
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("norm", "len", "cid", "rows", "ents", "row", "col",
+                                                               "tf")}
+        for lo, hi in _blocks(caps):
+            corpus = _Corpus(index, caps[lo:hi], n)
+            n_img = hi - lo
+            ref_off = np.concatenate([[0], np.cumsum(corpus.n_refs)]).astype(np.int64)
+            weight = corpus.tf * self._idf[corpus.cid]
+            parts["norm"].append(np.sqrt(np.bincount(corpus.ref * n + corpus.order, weights=weight * weight,
+                                                     minlength=int(ref_off[-1]) * n)).reshape(-1, n))
+            del weight
+            parts["len"].append(self._length(corpus.lengths))
+            perm, rows, row_of = corpus.image_rows(big)
+            row_img = rows // big
+            parts["cid"].append((rows - row_img * big).astype(cid_dtype))
+            row_off = np.concatenate([[0], np.cumsum(np.bincount(row_img, minlength=n_img))]).astype(np.int64)
+            parts["rows"].append(np.diff(row_off))
+            ref_sorted = corpus.ref[perm]
+            img_sorted = corpus.img_of_ref[ref_sorted]
+            parts["ents"].append(np.bincount(img_sorted, minlength=n_img))
+            parts["row"].append((row_of - row_off[img_sorted]).astype(np.int32))  # row within its image
+            parts["col"].append((ref_sorted - ref_off[img_sorted]).astype(col_dtype))  # reference within image
+            parts["tf"].append(corpus.tf[perm])
+            del corpus, perm, rows, row_of, ref_sorted, img_sorted
+
+        def cat(name: str, dtype, shape: tuple[int, ...] = (0,)) -> np.ndarray:
+            return np.concatenate(parts.pop(name)) if parts[name] else np.zeros(shape, dtype)
+
+        def offsets_of(name: str) -> np.ndarray:
+            return np.concatenate([[0], np.cumsum(cat(name, np.int64))]).astype(np.int64)
+
+        self._img_ref_off = np.concatenate([[0], np.cumsum(n_refs)]).astype(np.int64)
+        self._ref_norm = cat("norm", np.float64, (0, n))
+        self._ref_len = cat("len", np.float64)
+        self._row_cid = cat("cid", cid_dtype)
+        self._img_row_off = offsets_of("rows")
+        self._img_ent_off = offsets_of("ents")
+        self._ent_row = cat("row", np.int32)
+        self._ent_col = cat("col", col_dtype)
+        tf = cat("tf", np.int64)
         self._ent_tf = tf.astype(np.uint16 if len(tf) == 0 or tf.max() < 2**16 else np.int64)
 
     @classmethod

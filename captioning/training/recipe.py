@@ -155,11 +155,14 @@ def references(labels: Labels, vocab: Vocabulary, split: str) -> References:
     ids: dict[int, list[list[int]]] = {}
     text: dict[int, list[str]] = {}
     rows: dict[int, int] = {}
-    for tok, n, iid, row in zip(sel.tokens, sel.length, sel.image_id, sel.image_row, strict=True):
-        w = [int(t) for t in tok[: int(n)] if t != PAD]
-        ids.setdefault(int(iid), []).append(w)
-        text.setdefault(int(iid), []).append(" ".join(vocab.decode(w)))
-        rows[int(iid)] = int(row)
+    words = [vocab.word_of(i) for i in range(len(vocab))]  # id -> word, one list index per token
+    # Python ints from whole arrays at once (per-element numpy scalars cost ~5x more at COCO's 566k captions)
+    for tok, n, iid, row in zip(sel.tokens.tolist(), sel.length.tolist(), sel.image_id.tolist(),
+                                sel.image_row.tolist(), strict=True):
+        w = [t for t in tok[:n] if t != PAD]
+        ids.setdefault(iid, []).append(w)
+        text.setdefault(iid, []).append(" ".join(vocab.decode(w) if BOS in w or EOS in w else [words[t] for t in w]))
+        rows[iid] = row
     return References(ids, text, rows)
 
 

@@ -77,10 +77,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CLIError("--rows and --dim must be positive")
         result = run_import(rows=rows, dim=args.dim, boxes=min(36, args.max_boxes), chunk_rows=args.chunk_rows,
                             bad_every=args.bad_every, workdir=args.tmp)
+    elif args.name == "scale":
+        from captioning.bench.scale import run as run_scale
+        from tasks.bench_scale import STAGES as PIPELINE_STAGES
+
+        try:
+            sizes = tuple(int(s) for s in (args.sizes or "1000,10000,100000").split(","))
+        except ValueError:
+            raise CLIError(f"--sizes takes comma-separated image counts, not {args.sizes!r}") from None
+        try:
+            result = run_scale(sizes, args.stages.split(",") if args.stages else None, extra_stages=PIPELINE_STAGES,
+                               dim=args.feature_dim, max_boxes=min(36, args.max_boxes),
+                               chunk_rows=args.chunk_rows, s3_max_images=args.s3_max_images, disk=not args.no_disk,
+                               repeats=args.repeats or 1, workdir=args.tmp, progress=not args.json)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
         print(json.dumps(result, default=str))
+    elif "table" in result:  # a bench that renders its own table
+        print(result["table"])
     else:
         for r in result["rows"]:
             print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
@@ -94,14 +111,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
     b.add_argument("name", choices=["loader", "extract", "heads", "decode", "cider", "learning", "train",
-                                       "import"],
+                                       "import", "scale"],
                    help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
                    "heads: the bottom-up flavours' detector cost vs the stock detectron2 C4 model; "
                    "decode: greedy latency/throughput of every architecture vs AIC; "
                    "cider: fast CIDEr-D vs pycocoevalcap on the Karpathy test references + ACORT outputs; "
                    "learning: XE/SCST CIDEr of every model family vs the most-frequent-caption baseline; "
                    "train: XE/SCST images/s of every family at paper size, fast path vs fp32 eager; "
-                   "import: a synthetic butd TSV imported at several row counts, time and peak memory per count")
+                   "import: a synthetic butd TSV imported at several row counts, time and peak memory per count; "
+                   "scale: every data-side stage at several dataset sizes (time, peak memory, bytes, growth "
+                   "exponents, extrapolation to COCO and 3.3M)")
     b.add_argument("--external", help="cider: folder of the external COCO material (default: $CAPFLOW_EXTERNAL)")
     b.add_argument("--device", default="cpu", help="decode, train: torch device (cpu, cuda); extract: cuda runs "
                    "the GPU benchmark (coco settings, image files -> Zarr, vs the reference path)")
@@ -125,12 +144,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--max-boxes", type=int, default=100, help="B_max (boxes per image drawn from 10..B_max)")
     b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")
     b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
-    b.add_argument("--repeats", type=int, help="timed passes (loader default 2, decode default 5)")
+    b.add_argument("--repeats", type=int, help="timed passes (loader default 2, decode default 5; scale: runs of "
+                   "each stage per size, the fastest kept, default 1)")
     b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
     b.add_argument("--rows", help="import: comma-separated TSV row counts, each imported in a fresh process "
                    "(default 10000,100000)")
     b.add_argument("--dim", type=int, default=16, help="import: feature width of the synthetic records (default 16; "
                    "36 regions per record, or --max-boxes if smaller)")
+    b.add_argument("--feature-dim", type=int, default=64, help="scale: feature width of the synthetic store "
+                   "(default 64; B_max 36, or --max-boxes if smaller)")
+    b.add_argument("--sizes", help="scale: comma-separated image counts (default 1000,10000,100000)")
+    b.add_argument("--stages", help="scale: comma-separated stages (default: all; those they read from run too)")
+    b.add_argument("--s3-max-images", type=int, default=10_000, help="scale: largest size the S3 loader epoch runs "
+                   "at (moto holds the store in memory; default 10000)")
+    b.add_argument("--no-disk", action="store_true", help="scale: skip the disk-per-100k-images table")
     b.add_argument("--bad-every", type=int, default=1000, help="import: every N-th record has a corrupt features "
                    "field, to be counted as a reject (default 1000; 0 = none)")
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")
