@@ -10,17 +10,18 @@ reject paths run and the counts can be checked: every 500th image file is empty 
 1000th caption is blank (dropped), every 997th feature-store row is a rejected row.
 
 Stages (:data:`STAGES`; the pipeline-side ones are added by ``tasks.bench_scale``): each runs in its own Python
-process, so that peaks do not mix: the modules it needs are imported first, the peak resident memory is reset
-(``/proc/self/clear_refs``), then the stage is timed; the row reports its wall time, the process's peak resident
+process, so that peaks do not mix: the modules it needs are imported first, the process waits until the threads
+they started are idle, the peak resident memory is reset (``/proc/self/clear_refs``), then the stage is timed
+(``repeats``: several fresh runs, the fastest kept); the row reports its wall and CPU time, the process's peak resident
 memory (``VmHWM``) and the resident memory it started from, the bytes it wrote (``write_bytes`` of
 ``/proc/self/io``: files, including those it removed again) and the bytes its outputs hold on disk, plus the
 counts it returned (images, captions, rejects...: the test suite checks them against the generator's).
 
 Per stage: the growth exponents of time and of the memory above the start between the two largest sizes
 (``log(y2/y1) / log(N2/N1)``: 1 = linear, 2 = quadratic), and the extrapolation to MS-COCO (123,287 images) and to
-Conceptual Captions (3.3M) along them. A stage that cannot run at a size says why in ``not_measured`` (the S3
-loader above ``s3_max_images``: the moto endpoint keeps every object in memory and is not a throughput
-reference).
+Conceptual Captions' 3.3M (as images of 5 captions) along them. A stage that cannot run at a size says why in
+``not_measured`` (the S3 loader above ``s3_max_images``: the moto endpoint keeps every object in memory and is not
+a throughput reference).
 
 ``planted-quadratic`` (not run by default) is a self-check of the fit: an O(N^2) loop whose exponent must come
 out near 2.
@@ -492,12 +493,24 @@ def _reset_peak() -> bool:
         return False
 
 
+def _quiesce(limit: float = 1.0) -> None:
+    """Wait (at most ``limit`` seconds) until the process uses no CPU while its main thread sleeps: native threads
+    started by the imports (BLAS pools spin for a while) would otherwise be counted in the stage's CPU time."""
+    deadline = time.perf_counter() + limit
+    while time.perf_counter() < deadline:
+        c0 = time.process_time()
+        time.sleep(0.02)
+        if time.process_time() - c0 < 0.002:
+            return
+
+
 def child(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Run one stage in this process (fresh): imports first, then the timed call; seconds, memory, bytes."""
     for m in spec.get("imports", ()):
         importlib.import_module(m)
     mod, fn = spec["func"].split(":")
     func = getattr(importlib.import_module(mod), fn)
+    _quiesce()
     reset = _reset_peak()
     start_rss = _status_mb("VmRSS")
     io0 = _io_write_bytes()
