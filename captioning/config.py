@@ -177,7 +177,8 @@ class ExtractorConfig(Section):
         "default (see capflow bench extract --device cuda), never on CPU"
     )
     amp_dtype: Literal["float16", "bfloat16"] = Field("float16", description="Autocast dtype when amp is true")
-    batch_size: int | None = Field(None, ge=1, le=4096, description="Images per forward pass; unset = 16 on CUDA, 2 on CPU")
+    batch_size: int | None = Field(None, ge=1, le=4096,
+                                   description="Images per forward pass; unset = 16 on CUDA, 2 on CPU")
     batching: Literal["auto", "exact", "padded"] = Field(
         "auto",
         description="exact: batch only images of the same resized shape, ROI head image by image (CPU results "
@@ -207,7 +208,8 @@ class ExtractorConfig(Section):
     threads: int = Field(
         1, ge=1, description="CPU threads per model (per Dask worker); CPU results are bit-identical per value"
     )
-    fixed_boxes: int | None = Field(None, ge=1, le=10_000, description="Keep exactly this many boxes (e.g. 36); unset = adaptive")
+    fixed_boxes: int | None = Field(None, ge=1, le=10_000,
+                                    description="Keep exactly this many boxes (e.g. 36); unset = adaptive")
     min_image_side: int = Field(16, ge=1, description="Images with a shorter side are rejected as too small")
     max_image_pixels: int = Field(
         100_000_000, ge=1, description="Images with more pixels are rejected (decompression-bomb guard)"

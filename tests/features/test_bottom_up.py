@@ -196,15 +196,15 @@ def test_mixed_or_unknown_layouts_are_refused(states):
     odd["proposal_generator.rpn_head.objectness_logits.weight"] = np.zeros((36, 512, 1, 1), np.float32)
     with pytest.raises(LayoutError, match="36 rows for 12 anchors"):
         recognise_layout(odd)
-    with pytest.raises(LayoutError, match="no \\['proposal_generator.rpn_head.conv.weight'"):
+    with pytest.raises(LayoutError, match=r"no \['proposal_generator\.rpn_head\.conv\.weight'"):
         recognise_layout({k: v for k, v in states["airsplay"].items() if "rpn_head.conv." not in k})
 
 
 def test_every_checkpoint_tensor_is_used(states):
     layout = recognise_layout(states["airsplay"])
     extra = dict(states["airsplay"], **{"roi_heads.box_predictor.attr_extra.weight": np.zeros(3, np.float32)})
-    with pytest.raises(LayoutError, match="1 tensors the airsplay model does not use: "
-                                          "\\['roi_heads.box_predictor.attr_extra.weight'\\]"):
+    with pytest.raises(LayoutError, match=r"1 tensors the airsplay model does not use: "
+                                          r"\['roi_heads\.box_predictor\.attr_extra\.weight'\]"):
         load_state(BottomUpDetector(layout, REFERENCE["airsplay"]), extra, "x.pkl")
     short = {k: v for k, v in states["airsplay"].items() if not k.startswith("roi_heads.res5.2.")}
     with pytest.raises(LayoutError, match="tensors of the airsplay model missing"):
@@ -221,7 +221,7 @@ def test_port_weights_refused_by_the_stock_flavour_and_loaded_by_their_own(state
     path = tmp_path / "faster_rcnn_from_caffe_attr.pkl"
     with open(path, "wb") as f:
         pickle.dump({"model": states["airsplay"], "__author__": "test"}, f)
-    with pytest.raises(ValueError, match="airsplay bottom-up layout .* set features.extractor.flavour: airsplay"):
+    with pytest.raises(ValueError, match=r"airsplay bottom-up layout .* set features\.extractor\.flavour: airsplay"):
         RegionExtractor(ExtractorConfig(weights=str(path), device="cpu"))
     with pytest.raises(ValueError, match="milvlg' but these weights are airsplay's"):
         make_extractor(ExtractorConfig(flavour="milvlg", weights=str(path), device="cpu"))

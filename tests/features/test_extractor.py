@@ -323,7 +323,7 @@ def test_checkpoint_anchors_must_equal_the_configs(extractor, tmp_path):
     RegionExtractor(_cfg(weights=str(tmp_path / "same.pth")))  # equal: loads
     sd["proposal_generator.anchor_generator.cell_anchors.0"] = cell + 1.0
     torch.save({"model": sd}, tmp_path / "shifted.pth")
-    with pytest.raises(ValueError, match="stored anchors .* differ"):
+    with pytest.raises(ValueError, match=r"stored anchors .* differ"):
         RegionExtractor(_cfg(weights=str(tmp_path / "shifted.pth")))
 
 
