@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from captioning.bench.machine import machine_info
+from captioning.bench.machine import machine_info, status_mb
 
 
 def write_tsv(path: Path, rows: int, *, dim: int, boxes: int, bad_every: int = 0, seed: int = 0) -> int:
@@ -48,31 +47,18 @@ def write_tsv(path: Path, rows: int, *, dim: int, boxes: int, bad_every: int = 0
     return bad
 
 
-def _status_mb(field: str) -> float:
-    """``VmRSS`` (resident now) or ``VmHWM`` (peak resident) of this process, in MiB. ``VmHWM`` belongs to the
-    process's own address space; ``getrusage``'s ``ru_maxrss`` would also count the parent's peak before exec."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if field == "VmHWM" else float("nan")
-
-
 def _child(params: dict) -> dict:
     """One import in this (fresh) process: seconds, counts, resident memory before and at peak."""
     from captioning.data.imports import ButdTsvSource, import_source
     from captioning.data.stores import OK, REJECTED
 
-    start_rss = _status_mb("VmRSS")
+    start_rss = status_mb("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
     src = ButdTsvSource(Path(params["tsv"]), max_boxes=params["boxes"], feature_dim=params["dim"])
     res = import_source(src, params["out"], max_boxes=params["boxes"], feature_dim=params["dim"],
                         chunk_rows=params["chunk_rows"], dtype=params["dtype"], overwrite=True)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _status_mb("VmHWM")  # the import's peak (reading the whole status array back below is not the import)
+    peak = status_mb("VmHWM")  # the import's peak (reading the whole status array back below is not the import)
     status = res.store.status()
     return {"seconds": seconds, "cpu_seconds": cpu, "records": res.records, "ok": int((status == OK).sum()),
             "rejected": int((status == REJECTED).sum()), "reject_kinds": res.reasons, "start_rss_mb": start_rss,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 
 
 def machine_info(**extra: object) -> dict:
@@ -33,3 +34,16 @@ def _cpu_model() -> str | None:
     except OSError:
         pass
     return None
+
+
+def status_mb(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (peak resident) of this process, in MiB. ``VmHWM`` belongs to the
+    process's own address space; ``getrusage``'s ``ru_maxrss`` would also count the parent's peak before exec."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if field == "VmHWM" else float("nan")

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from captioning.bench.machine import machine_info
+from captioning.bench.machine import machine_info, status_mb
 
 COCO_IMAGES = 123_287  # Karpathy's dataset_coco.json: images (616,767 captions)
 CC3M_PAIRS = 3_300_000  # Conceptual Captions: image-caption pairs
@@ -461,17 +461,6 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 
 
 # ---------------------------------------------------------------------- measuring one stage in a child process
-def _status_mb(field_name: str) -> float:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return float("nan")
-
-
 def _io_write_bytes() -> int | None:
     try:
         with open("/proc/self/io", encoding="ascii") as f:
@@ -512,12 +501,12 @@ def child(spec: Mapping[str, Any]) -> dict[str, Any]:
     func = getattr(importlib.import_module(mod), fn)
     _quiesce()
     reset = _reset_peak()
-    start_rss = _status_mb("VmRSS")
+    start_rss = status_mb("VmRSS")
     io0 = _io_write_bytes()
     c0, t0 = time.process_time(), time.perf_counter()
     counts = dict(func(spec["params"]) or {})
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _status_mb("VmHWM")
+    peak = status_mb("VmHWM")
     io1 = _io_write_bytes()
     outputs = counts.pop("outputs", [])
     return {"seconds": seconds, "cpu_seconds": cpu, "start_rss_mb": start_rss, "peak_rss_mb": peak, "peak_reset": reset,
