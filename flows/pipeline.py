@@ -14,11 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 # Prefect's temporary server gets 20 s to start by default, too little on a loaded machine (2 of 16 starts failed
@@ -32,13 +30,12 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from captioning.config import PipelineConfig, load_config
-from tasks.cache import StageCache, code_version
 from tasks.common import RunContext
 from tasks.data import extract_task, ingest_task, vocab_task
 from tasks.fanout import student_cluster, student_remote_task
 from tasks.refs import StudentFailure, StudentResult
 from tasks.report import leaderboard_task, markdown, promote_task
-from tasks.tracking import Tracker, config_yaml
+from tasks.tracking import Tracker
 from tasks.training import seqkd_task, student_task, teacher_task
 
 log = logging.getLogger("capflow.pipeline")
@@ -59,15 +56,6 @@ def build_config(preset: str | None = "demo", config_path: str | None = None, ov
     for s in cfg.students.names:
         preset_name(s)  # unknown names fail here, before any stage runs
     return cfg
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 @flow(name=FLOW_NAME, task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True,
@@ -114,16 +102,12 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
 
 def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) -> dict[str, Any]:
     tracker = Tracker(cfg)  # fails fast (before any stage) when the tracking server is unreachable
-    tracker.end_orphaned_runs()  # runs of an earlier pipeline run that was killed: KILLED, not RUNNING forever
     # the students' Dask cluster (students.workers / students.dask_address) before any stage: an unreachable
     # scheduler stops the run here
-    tags = {"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(), "config_digest": cfg.digest(),
-            "code_version": code_version(), "capflow.preset_name": cfg.run.name}
-    with student_cluster(cfg) as client, tracker.run("pipeline", tags=tags) as parent:
-        tracker.params(parent, cfg.model_dump(mode="json"))
-        tracker.text_artifact(parent, "config.yaml", config_yaml(cfg))  # credentials redacted
-        rc = RunContext(cfg, tracker, parent, StageCache(cfg.workdir),
-                        progress=sys.stderr.isatty() if progress is None else progress)
+    with student_cluster(cfg) as client, RunContext.tracked(
+            cfg, tracker, "pipeline", {"prefect.flow_run_id": flow_run_id},
+            progress=sys.stderr.isatty() if progress is None else progress) as rc:
+        parent = rc.parent_run
         data = ingest_task(rc)
         feats = extract_task(rc, data)
         labels = vocab_task(rc, data, feats)
@@ -146,7 +130,6 @@ def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) 
                     results += [f.result() for f in futures]
         board = leaderboard_task(rc, results, data)
         promo = promote_task(rc, board, data.digest, data, feats, labels)
-        tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
     return {
         "mlflow_run_id": parent,
         "tracking_uri": tracker.display_uri,  # credentials (from MLFLOW_TRACKING_URI) masked

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -105,6 +106,12 @@ class StageCache:
         p.parent.mkdir(parents=True, exist_ok=True)
         doc = json.dumps({"stage": stage, "key": key, "result": result.to_record()}, default=str)
         atomic_write(p, lambda f: f.write(doc.encode("utf-8")), "stage record")  # no temp file left behind
+
+    def forget(self, stage: str, key: str) -> None:
+        """Drop the record and the folder of ``stage`` under ``key`` (the stage then runs from scratch, not from
+        its checkpoints)."""
+        self.path(stage, key).unlink(missing_ok=True)
+        shutil.rmtree(self.workdir_layout.stage_dir(stage, key), ignore_errors=True)
 
     def latest(self, stage: str, kind: type[R]) -> R | None:
         """The most recently written readable record of ``stage`` (what single-stage commands fall back to);

@@ -1,16 +1,23 @@
-"""What every stage job receives: the validated config, the tracker and parent run, the stage cache, the layout."""
+"""What every stage job receives: the validated config, the tracker and parent run, the stage cache, the layout;
+and the two ways a run of jobs starts: tracked (a parent MLflow run: the pipeline, or a single-stage command with a
+tracking URI) or local (the same stage records, no MLflow)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import subprocess
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from captioning.config import PipelineConfig
 from captioning.workdir import Workdir
-from tasks.cache import StageCache, stage_key
+from tasks.cache import StageCache, code_version, stage_key
 from tasks.refs import Ref
-from tasks.tracking import LocalRecorder, Tracker
+from tasks.tracking import LocalRecorder, Tracker, config_yaml
 
 log = logging.getLogger("capflow.pipeline")
 R = TypeVar("R", bound=Ref)
@@ -24,11 +31,30 @@ class RunContext:
     cache: StageCache
     progress: bool = False
     stages: dict[str, str] = field(default_factory=dict)  # stage -> "ran" | "cached" | "failed"
+    #: stages that run again although recorded (``capflow train --retrain``): record and folder are replaced
+    rerun: frozenset[str] = frozenset()
 
     @classmethod
-    def local(cls, cfg: PipelineConfig, progress: bool = False) -> RunContext:
+    def local(cls, cfg: PipelineConfig, progress: bool = False, rerun: frozenset[str] = frozenset()) -> RunContext:
         """The context of a single-stage command: the pipeline's workdir layout and stage records, no MLflow."""
-        return cls(cfg, LocalRecorder(cfg), "", StageCache(cfg.workdir), progress)
+        return cls(cfg, LocalRecorder(cfg), "", StageCache(cfg.workdir), progress, rerun=rerun)
+
+    @classmethod
+    @contextlib.contextmanager
+    def tracked(cls, cfg: PipelineConfig, tracker: Tracker, name: str, tags: Mapping[str, Any] | None = None,
+                progress: bool = False, rerun: frozenset[str] = frozenset()) -> Iterator[RunContext]:
+        """A parent MLflow run ``name`` (the config as params and ``config.yaml``, the code's identity as tags)
+        whose stage jobs record their runs under it - the pipeline's ``pipeline`` run, or ``capflow <command>``.
+        Ends FINISHED with the ``stages`` tag, FAILED/KILLED when the block raises."""
+        tracker.end_orphaned_runs()  # runs of an earlier, killed process: KILLED, not RUNNING forever
+        tags = {**(tags or {}), "git_commit": git_commit(), "config_digest": cfg.digest(),
+                "code_version": code_version(), "capflow.preset_name": cfg.run.name}
+        with tracker.run(name, tags=tags) as parent:
+            tracker.params(parent, cfg.model_dump(mode="json"))
+            tracker.text_artifact(parent, "config.yaml", config_yaml(cfg))  # credentials redacted
+            rc = cls(cfg, tracker, parent, StageCache(cfg.workdir), progress, rerun=rerun)
+            yield rc
+            tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
 
     @property
     def workdir(self) -> Workdir:
@@ -37,6 +63,9 @@ class RunContext:
     def cached(self, stage: str, kind: type[R], **parts: Any) -> tuple[str, R | None]:
         """The stage's key and its recorded result of type ``kind`` (None: the stage must run)."""
         key = stage_key(stage, **parts)
+        if stage in self.rerun:
+            self.cache.forget(stage, key)
+            return key, None
         hit = self.cache.get(stage, key, kind)
         if hit is not None:
             self.stages[stage] = "cached"
@@ -49,3 +78,18 @@ class RunContext:
         self.stages[stage] = "ran"
         self.tracker.tags(self.parent_run, {f"stage.{stage}": f"ran:{getattr(result, 'run_id', '')}"})
         return result
+
+
+def tracking_requested(cfg: PipelineConfig) -> bool:
+    """Whether a single-stage command records MLflow runs: a tracking URI was given (``MLFLOW_TRACKING_URI`` or
+    ``tracking.tracking_uri``). The embedded default store belongs to ``capflow run``."""
+    return bool(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.tracking_uri)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

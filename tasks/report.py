@@ -21,6 +21,21 @@ from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, Promotion, StudentFai
 COLUMNS = ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
 
 
+def scored_files(rc: RunContext, results: str, references: str, scores: Mapping[str, Any]) -> None:
+    """``capflow evaluate``'s run: what was scored against what (both files as datasets by their digests), the
+    scores, and the whole report (``metrics.json``); nothing without tracking."""
+    from captioning.util import sha256_file
+
+    with rc.tracker.run("evaluate", rc.parent_run) as run:
+        rc.tracker.params(run, {"results": results, "references": references})
+        rc.tracker.dataset(run, "results", sha256_file(results), results, "input")
+        rc.tracker.dataset(run, "references", sha256_file(references), references, "evaluation")
+        rc.tracker.metrics(run, {**scores["metrics"], "images": scores["images"],
+                                 "unscored_references": scores.get("unscored_references") or 0},
+                           dataset=("references", sha256_file(references)))
+        rc.tracker.json_artifact(run, "metrics.json", dict(scores))
+
+
 def _fmt(v: Any) -> str:
     return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 

@@ -10,7 +10,7 @@ import json
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from prefect import task
@@ -29,6 +29,9 @@ from tasks.common import RunContext, log
 from tasks.data import RETRY
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 from tasks.tracking import LocalRecorder
+
+R = TypeVar("R")
+TEACHER_NAMES = ("teacher", "aic")  # what `capflow train --model` accepts for the AIC teacher
 
 
 def _context(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef) -> StageContext:
@@ -99,8 +102,8 @@ def teacher(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: Labels
         rc.tracker.artifact(run, best, "checkpoint")
         rc.tracker.json_artifact(run, "history.json", res["history"])
         # its validation CIDEr is the teacher's MLflow Model's too, measured on the dataset
-        rc.tracker.metrics(run, {"best_val_CIDEr": res["best_metric"]}, model_id=_log_teacher_model(
-            rc, run, best, data, labels), dataset=("dataset", data.digest))
+        rc.tracker.metrics(run, {"best_val_CIDEr": res["best_metric"]}, model_id=_log_trained_model(
+            rc, run, best, "teacher", labels.vocab_path, data.path), dataset=("dataset", data.digest))
     return rc.done("teacher", key, TeacherRef(run_id=run, checkpoint=str(best), checkpoint_digest=sha256_file(best),
                                               best_val_cider=res["best_metric"]))
 
@@ -132,8 +135,8 @@ def seqkd_captions(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels:
     return rc.done("seqkd", key, SeqKDRef(run_id=run, source=name, labels_digest=digest, report=report))
 
 
-def student_key(rc: RunContext, name: str, arch: dict, feats: FeaturesRef, labels: LabelsRef, kd: SeqKDRef,
-                teacher: TeacherRef, scst: bool) -> dict[str, Any]:
+def student_key(rc: RunContext, name: str, arch: dict, feats: FeaturesRef, labels: LabelsRef, kd: SeqKDRef | None,
+                teacher: TeacherRef | None, scst: bool) -> dict[str, Any]:
     """The inputs and settings a student's result depends on (its stage key's parts)."""
     cfg = rc.cfg
     parts: dict[str, Any] = {"arch": arch, "xe": cfg.digest("students.xe"), "loader": cfg.digest("loader"),
@@ -144,14 +147,20 @@ def student_key(rc: RunContext, name: str, arch: dict, feats: FeaturesRef, label
                              if scst else None,
                              "evaluation": cfg.digest("evaluation")}
     if name in cfg.students.seqkd_for:
-        parts["seqkd"] = kd.labels_digest
+        parts["seqkd"] = _needed(kd, "SeqKD captions", name).labels_digest
     if name in cfg.students.teacher_init_for:
-        parts["teacher"] = teacher.checkpoint_digest
+        parts["teacher"] = _needed(teacher, "the teacher", name).checkpoint_digest
     return parts
 
 
+def _needed(ref: R | None, what: str, name: str) -> R:
+    if ref is None:
+        raise ValueError(f"student {name} needs {what} (students.seqkd_for / students.teacher_init_for)")
+    return ref
+
+
 def student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
-            teacher: TeacherRef, kd: SeqKDRef, scst: bool = True) -> StudentResult | StudentFailure:
+            teacher: TeacherRef | None, kd: SeqKDRef | None, scst: bool = True) -> StudentResult | StudentFailure:
     """XE -> SCST -> test evaluation -> registered model version for one student; never raises."""
     try:
         return _student(rc, name, data, feats, labels, teacher, kd, scst)
@@ -162,7 +171,7 @@ def student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, lab
 
 
 def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
-             teacher: TeacherRef, kd: SeqKDRef, scst: bool) -> StudentResult:
+             teacher: TeacherRef | None, kd: SeqKDRef | None, scst: bool) -> StudentResult:
     cfg = rc.cfg
     ctx = _context(rc, data, feats, labels)
     arch = student_arch(name, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
@@ -174,7 +183,7 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
     if hit is not None:
         return hit
     captions = "seqkd" if name in cfg.students.seqkd_for else "ground_truth"
-    init = teacher.checkpoint if name in cfg.students.teacher_init_for else None
+    init = _needed(teacher, "the teacher", name).checkpoint if name in cfg.students.teacher_init_for else None
     nproc = cfg.students.nproc
     with rc.tracker.run(pname, rc.parent_run, {"capflow.student": name}) as run:
         rc.tracker.params(run, {"student": name, "preset": pname, "captions": captions, "nproc": nproc,
@@ -188,7 +197,8 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
         out = rc.cache.workdir(stage, key)
         t0 = time.perf_counter()
         res = _train(rc, run, _spec(data, feats, labels, name, out / "xe", captions=captions, init_from=init,
-                                    seqkd_source=kd.source if captions == "seqkd" else None), nproc)
+                                    seqkd_source=_needed(kd, "SeqKD captions", name).source
+                                    if captions == "seqkd" else None), nproc)
         rc.tracker.metrics(run, {"xe_best_val_CIDEr": res["best_metric"], "xe_seconds": time.perf_counter() - t0,
                                  "xe_resumed_from_epoch": res["resumed_from_epoch"], **res["init"]})
         final_ckpt = res["best_checkpoint"] or res["last_checkpoint"]
@@ -257,27 +267,68 @@ def _example_image(cfg, ds: Dataset | None):
     return example_image([ds.image_path(e) for e in ds.split("test")[:8]])
 
 
-def _log_teacher_model(rc: RunContext, run: str, best: str | Path, data: DatasetRef, labels: LabelsRef
-                       ) -> str | None:
-    """The teacher as an MLflow Model too (a LoggedModel of its run, not registered: the registry holds the
-    students), its model folder written beside its checkpoints; returns its ``model_id``."""
+def _log_trained_model(rc: RunContext, run: str, best: str | Path, name: str, vocab_path: str,
+                       dataset_path: str | None) -> str | None:
+    """A trained model that is not a registered student (the teacher, a ``capflow train`` outside the recipe) as
+    an MLflow Model too: a LoggedModel of ``run``, its model folder written beside the checkpoint; returns its
+    ``model_id`` (None when nothing is tracked)."""
     if isinstance(rc.tracker, LocalRecorder):
         return None  # a single-stage command without tracking: nothing to log the model to
     cfg = rc.cfg
+    preset = cfg.teacher.model.arch if name in TEACHER_NAMES else preset_name(name)
     model, st = load_model(best)
     model_dir = checkpoint.save_model_dir(
-        Path(best).parent / "model", model=model, arch=st["arch"], vocab=labels.vocab_path,
-        features=cfg.features.model_dump(mode="json"), student="teacher", preset=cfg.teacher.model.arch,
-        max_words=cfg.dataset.max_words, beam=cfg.evaluation.beam, test_metrics={}, vocab_digest=st["vocab_digest"],
-        epoch=st["epoch"], step=st["step"], weights_cache_dir=rc.workdir.weights_cache())
+        Path(best).parent / "model", model=model, arch=st["arch"], vocab=vocab_path,
+        features=cfg.features.model_dump(mode="json"), student=name, preset=preset, max_words=cfg.dataset.max_words,
+        beam=cfg.evaluation.beam, test_metrics={}, vocab_digest=st["vocab_digest"], epoch=st["epoch"],
+        step=st["step"], weights_cache_dir=rc.workdir.weights_cache())
     model_id = rc.tracker.log_model(
-        run, model_dir, name="teacher", example=_example_image(cfg, Dataset.load(data.path)),
-        params={"student": "teacher", "preset": cfg.teacher.model.arch, "beam": cfg.evaluation.beam,
-                "max_words": cfg.dataset.max_words, "arch": st["arch"]},
-        tags={"capflow.student": "teacher", "capflow.preset": cfg.teacher.model.arch,
-              "capflow.arch": cfg.teacher.model.arch, "capflow.features_source": cfg.features.source})
+        run, model_dir, name=name if name in TEACHER_NAMES else preset,
+        example=_example_image(cfg, Dataset.load(dataset_path) if dataset_path else None),
+        params={"student": name, "preset": preset, "beam": cfg.evaluation.beam, "max_words": cfg.dataset.max_words,
+                "arch": st["arch"]},
+        tags={"capflow.student": name, "capflow.preset": preset, "capflow.arch": preset,
+              "capflow.features_source": cfg.features.source})
     del model
     return model_id
+
+
+def model_job(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef, scst: bool = True
+              ) -> TeacherRef | StudentResult | StudentFailure:
+    """One model of the recipe exactly as the pipeline makes it (``capflow train --model NAME``): the teacher, or
+    a student with its SeqKD captions and teacher initialisation as the config gives them - the teacher and
+    SeqKD stages it depends on are found in the stage records or run first. Same stages, same keys: after
+    ``capflow run`` this returns the pipeline's results without training."""
+    if name in TEACHER_NAMES:
+        return teacher(rc, data, feats, labels)
+    cfg = rc.cfg
+    needs_kd = name in cfg.students.seqkd_for
+    t = teacher(rc, data, feats, labels) if needs_kd or name in cfg.students.teacher_init_for else None
+    kd = seqkd_captions(rc, data, feats, labels, t) if needs_kd and t is not None else None
+    return student(rc, name, data, feats, labels, t, kd, scst)
+
+
+def custom_training(rc: RunContext, stage: str, spec: TrainSpec, nproc: int, digests: dict[str, str | None]
+                    ) -> dict[str, Any]:
+    """``capflow train`` outside the recipe (its own captions, initialisation, SCST start or stores): one XE or SCST
+    training, recorded like a stage run - params, inputs (``digests``: features, labels, dataset), per-epoch
+    metrics, the best checkpoint and its MLflow Model - in ``spec.out``, which a killed run resumes."""
+    with rc.tracker.run(stage, rc.parent_run, {"capflow.student": spec.model}) as run:
+        rc.tracker.params(run, {"model": spec.model, "captions": spec.captions, "seqkd_source": spec.seqkd_source,
+                                "init_from": spec.init_from, "scst_from": spec.scst_from, "nproc": nproc})
+        for name, uri in (("features", spec.features_uri), ("labels", spec.labels_uri), ("dataset", spec.dataset_path)):
+            if uri and digests.get(name):
+                rc.tracker.dataset(run, name, str(digests[name]), uri, "input" if name == "dataset" else "training")
+        res = _train(rc, run, spec, nproc)
+        best = res["best_checkpoint"] or res["last_checkpoint"]
+        rc.tracker.artifact(run, best, "checkpoint")
+        rc.tracker.json_artifact(run, "history.json", res["history"])
+        model_id = _log_trained_model(rc, run, best, spec.model, spec.vocab_path, spec.dataset_path)
+        on = ("dataset", str(digests["dataset"])) if spec.dataset_path and digests.get("dataset") else None
+        rc.tracker.metrics(run, {"best_val_CIDEr": res["best_metric"], "best_epoch": res["best_epoch"],
+                                 "resumed_from_epoch": res["resumed_from_epoch"], "processes": res["processes"]},
+                           model_id=model_id, dataset=on)
+    return res
 
 
 teacher_task = task(teacher, name="train-teacher", **RETRY)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 from flows.cli import main
@@ -27,11 +29,12 @@ def test_train_cli_xe_scst_and_data_parallel(tmp_path, capsys):
     assert ext["source"] == "synthetic-informative" and ext["images"] == ext["ok"] == 40
     assert main(["vocab", "--json", *a]) == 0
     capsys.readouterr()
-    assert main(["train", "--json", *a]) == 0
+    custom = ["--captions", "ground_truth"]  # a custom training, not the recipe's teacher job
+    assert main(["train", "--json", *custom, *a]) == 0
     xe = json.loads(capsys.readouterr().out)
     assert xe["epochs_run"] == 2 and xe["processes"] == 1 and "CIDEr" in xe["history"][0]
     # a second call finds the finished run and does not train again
-    assert main(["train", "--json", *a]) == 0
+    assert main(["train", "--json", *custom, *a]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["resumed_from_epoch"] == 2 and again["history"] == xe["history"]
     assert main(["train", "--json", "--scst-from", xe["best_checkpoint"], *a]) == 0
@@ -58,6 +61,64 @@ def test_train_cli_errors(tmp_path, capsys):
     assert "give --labels and --vocab together" in capsys.readouterr().err
     assert main(["train", "--model", "nope", *_args(tmp_path)]) == 2
     assert "unknown student 'nope'" in capsys.readouterr().err
+    assert main(["train", "--model", "lw", "--retrain", "--init", "x.pt", *_args(tmp_path)]) == 2
+    assert "--retrain applies to the recipe's job; with --init this is a custom training" in capsys.readouterr().err
+
+
+def test_train_is_the_recipe_job_tracked_only_with_a_tracking_uri(tmp_path, capsys, monkeypatch):
+    """`capflow train --model lw` is the pipeline's student job: recorded (a second call finds it, --retrain trains
+    it anew); with MLFLOW_TRACKING_URI it leaves a FINISHED `capflow train` run with the student's run and its
+    LoggedModel under it; without one, or with --no-track, nothing is tracked anywhere."""
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    a = [*_args(tmp_path), "--set", "students.xe.epochs=1"]
+    lw = ["train", "--json", "--model", "lw", "--no-scst"]
+    assert main(["extract", "--json", *a]) == 0
+    capsys.readouterr()
+    assert main([*lw, *a]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["stage"] == "student-lw" and first["status"] == "ran" and first["result"]["model_version"] is None
+    assert (Path(first["result"]["checkpoint"]).parent / "capflow.json").is_file()
+    assert not list(tmp_path.rglob("*.db")) and not list(tmp_path.rglob("mlartifacts"))  # nothing tracked
+    assert main([*lw, *a]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["status"] == "cached" and again["result"] == first["result"]
+
+    uri = f"sqlite:///{tmp_path / 'tracking' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert main([*lw, "--retrain", *a]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["status"] == "ran" and res["result"]["model_version"] == "1"
+    c = MlflowClient(uri)
+    (exp,) = [e for e in c.search_experiments() if e.name != "Default"]
+    runs = {r.data.tags["mlflow.runName"]: r for r in c.search_runs([exp.experiment_id])}
+    assert set(runs) == {"capflow train", "lw-1x", "evaluate"}
+    parent, student = runs["capflow train"], runs["lw-1x"]
+    assert parent.info.status == student.info.status == "FINISHED"
+    assert parent.data.tags["capflow.command"] == "train" and "config.yaml" in {
+        f.path for f in c.list_artifacts(parent.info.run_id)}
+    assert student.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert parent.data.tags["stages"] == "ingest=cached,extract=cached,vocab=cached,student-lw=ran"
+    (out,) = student.outputs.model_outputs
+    model = c.get_logged_model(out.model_id)
+    assert model.source_run_id == student.info.run_id and model.tags["capflow.student"] == "lw"
+    linked = {m.key: m.value for m in model.metrics}
+    assert linked["test_CIDEr"] == pytest.approx(res["result"]["metrics"]["CIDEr"])
+    assert c.get_model_version("capflow-captioner", "1").source == f"models:/{out.model_id}"
+
+    # --no-track: no run, even with the tracking URI set
+    assert main([*lw, "--retrain", "--no-track", *a]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "ran"
+    assert len(c.search_runs([exp.experiment_id])) == 3
+
+    # `capflow evaluate` of the student's predictions: a tracked run with the scores
+    assert main(["evaluate", "--json", "--student", "lw", *a]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    ev = [r for r in c.search_runs([exp.experiment_id]) if r.data.tags.get("mlflow.parentRunId") and
+          c.get_run(r.data.tags["mlflow.parentRunId"]).data.tags["mlflow.runName"] == "capflow evaluate"]
+    assert len(ev) == 1 and ev[0].data.metrics["CIDEr"] == pytest.approx(scored["metrics"]["CIDEr"])
+    assert {d.dataset.name for d in ev[0].inputs.dataset_inputs} == {"results", "references"}
 
 
 def test_import_features_then_train_uses_the_imported_store(tmp_path, capsys):
@@ -84,7 +145,7 @@ def test_import_features_then_train_uses_the_imported_store(tmp_path, capsys):
                  "--json", *a]) == 0
     imported = json.loads(capsys.readouterr().out)["store"]
     assert imported.startswith(str(tmp_path / "w" / "features" / "imported-")) and imported.endswith(".zarr")
-    assert main(["train", "--json", "--model", "lw", *a]) == 0
+    assert main(["train", "--json", "--model", "lw", "--captions", "ground_truth", *a]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["epochs_run"] == 1 and res["processes"] == 1
     ckpt = torch.load(res["last_checkpoint"], weights_only=True)

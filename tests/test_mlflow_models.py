@@ -12,13 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,6 +25,7 @@ from captioning.models.registry import build
 from captioning.training import checkpoint
 from captioning.training.recipe import student_arch
 from tasks.model_refs import resolve_model
+from tasks.model_server import mlflow_model_server
 from tasks.tracking import Tracker
 
 MAX_WORDS = 12
@@ -167,70 +161,71 @@ def test_mlflow_loads_the_champion_and_captions_like_the_folder(registered, refe
     assert {p.name for p in folder.iterdir()} == {"model.pt", "vocab.json", "capflow.json"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _huge_png() -> bytes:
+    import io
 
+    from PIL import Image
 
-def _post(port: int, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    buf = io.BytesIO()
+    Image.new("1", (20_000, 20_000)).save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
 
 
 @pytest.mark.integration
 def test_mlflow_models_serve_answers_captions_and_400_for_bad_input(registered, reference, images, tmp_path):
-    port = _free_port()
-    bindir = str(Path(sys.executable).parent)  # MLflow starts `uvicorn` from PATH: the venv's
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
-           "CAPFLOW_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m",
-                             "models:/capflow-captioner@champion", "--env-manager", "local", "-h", "127.0.0.1", "-p",
-                             str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.5)
+    env = {"MLFLOW_TRACKING_URI": registered["uri"], "CAPFLOW_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    with mlflow_model_server("models:/capflow-captioner@champion", tmp_path / "serve.log", env=env) as server:
         b64 = [base64.b64encode(p.read_bytes()).decode() for p in images]
-        status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": [[b] for b in b64]}})
+        status, body = server.post({"dataframe_split": {"columns": ["image"], "data": [[b] for b in b64]}})
         assert status == 200, body
         assert [p["caption"] for p in body["predictions"]] == reference["beam2"]
-        status, body = _post(port, {"dataframe_records": [{"image": b64[0]}], "params": {"beam": 1}})
+        status, body = server.post({"dataframe_records": [{"image": b64[0]}], "params": {"beam": 1}})
         assert status == 200 and body["predictions"] == [{"caption": reference["beam1"][0]}]
         data = images[0].read_bytes()
         bad = {"not an image": [[base64.b64encode(b"not an image").decode()]],
                "truncated": [[base64.b64encode(data[: len(data) // 2]).decode()]],
-               "not base64": [["@@not base64!"]]}
+               "not base64": [["@@not base64!"]],
+               "empty": [[""]],
+               # a few hundred bytes that decode to more pixels than features.extractor.max_image_pixels
+               "oversized": [[base64.b64encode(_huge_png()).decode()]],
+               "too many": [[b64[0]]] * 65}
         for what, rows in bad.items():
-            status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": rows}})
+            status, body = server.post({"dataframe_split": {"columns": ["image"], "data": rows}})
             assert status == 400 and body.get("message"), (what, status, body)
-        status, body = _post(port, {"dataframe_split": {"columns": ["picture"], "data": [[b64[0]]]}})
+            assert "Traceback" not in body["message"], (what, body)
+        status, body = server.post({"dataframe_split": {"columns": ["picture"], "data": [[b64[0]]]}})
         assert status == 400 and "image" in body["message"]
-        status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": [[b64[0]]]},
+        status, body = server.post({"dataframe_split": {"columns": ["image"], "data": [[b64[0]]]},
                                     "params": {"beam": 99}})
         assert status == 400 and "beam" in body["message"]
         # the server is still there and answers after the bad requests
-        status, body = _post(port, {"dataframe_split": {"columns": ["image"], "data": [[b64[1]]]}})
+        status, body = server.post({"dataframe_split": {"columns": ["image"], "data": [[b64[1]]]}})
         assert status == 200 and body["predictions"] == [{"caption": reference["beam2"][1]}]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
+
+
+@pytest.mark.integration
+def test_bench_serve_reports_throughput_and_latency_per_concurrency(registered, images, tmp_path, capsys,
+                                                                    monkeypatch):
+    import shutil
+
+    from flows.cli import main
+
+    assert main(["bench", "serve", "--json"]) == 2
+    assert "bench serve needs --model" in capsys.readouterr().err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["uri"])
+    monkeypatch.setenv("CAPFLOW_DEVICE", "cpu")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for p in images:
+        shutil.copy(p, folder / p.name)
+    assert main(["bench", "serve", "--json", "--model", "models:/capflow-captioner@champion", "--images-dir",
+                 str(folder), "--concurrency", "1,2", "--requests", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bench"] == "serve" and out["images"] == 3 and out["startup_s"] > 0
+    assert [r["concurrency"] for r in out["rows"]] == [1, 2]
+    for r in out["rows"]:  # every answer came back, and with the caption the image got when sent alone
+        assert (r["ok"], r["errors"], r["wrong_captions"]) == (4, 0, 0)
+        assert 0 < r["p50_ms"] <= r["p95_ms"] <= r["max_ms"] and r["requests_per_s"] > 0
+    assert out["ratios"]["throughput_c2"] == pytest.approx(out["rows"][1]["requests_per_s"] /
+                                                           out["rows"][0]["requests_per_s"])
+    assert out["machine"]["device"] == "cpu" and out["machine"]["cpus"] >= 1

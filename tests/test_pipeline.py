@@ -168,11 +168,18 @@ def _single_stage_commands_after_the_run(work, ann, images, res, capsys):
     capsys.readouterr()
     args = ["--preset", "tiny", *(x for o in _overrides(work, ann, images) for x in ("--set", o))]
     vocab_records = sorted((work / "stages").glob("vocab-*.json"))
+    # `capflow train --model lw` is the pipeline's student job: found in the stage records, not trained again
+    lw = next(r for r in res["leaderboard"] if r["student"] == "lw")
     assert main(["train", "--json", "--model", "lw", *args]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["status"] == "cached" and found["result"]["metrics"] == lw["metrics"]
+    assert found["result"]["model_version"] == lw["model_version"]
+    assert sorted((work / "stages").glob("vocab-*.json")) == vocab_records  # the pipeline's label store, reused
+    # a custom training (its own captions choice) trains in its own folder
+    assert main(["train", "--json", "--model", "lw", "--captions", "ground_truth", *args]) == 0
     trained = json.loads(capsys.readouterr().out)
     assert trained["epochs_run"] == 1 and Path(trained["last_checkpoint"]).is_file()
     assert Path(trained["last_checkpoint"]).parent.name.startswith("train-lw-")
-    assert sorted((work / "stages").glob("vocab-*.json")) == vocab_records  # the pipeline's label store, reused
 
     assert main(["evaluate", "--json", "--student", "lw", *args]) == 0
     scored = json.loads(capsys.readouterr().out)

@@ -92,6 +92,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                repeats=args.repeats or 1, workdir=args.tmp, progress=not args.json)
         except ValueError as e:
             raise CLIError(str(e)) from None
+    elif args.name == "serve":
+        from tasks.bench_serve import run as run_serve
+
+        if not args.model:
+            raise CLIError("bench serve needs --model: a models:/NAME@ALIAS (with MLFLOW_TRACKING_URI), runs:/ or "
+                           "a local MLflow Model folder")
+        folder = args.images_dir or (str(Path(os.environ["CAPFLOW_EXTERNAL"]) / "images")
+                                     if os.environ.get("CAPFLOW_EXTERNAL") else None)
+        if not folder or not Path(folder).is_dir():
+            raise CLIError("bench serve needs real images: --images-dir DIR (or CAPFLOW_EXTERNAL with images/)")
+        images = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+        try:
+            levels = tuple(int(c) for c in args.concurrency.split(","))
+            result = run_serve(args.model, images[: args.images or 8], concurrency=levels,
+                               requests=args.requests, beam=args.beam, workers=args.server_workers, workdir=args.tmp)
+        except ValueError as e:
+            raise CLIError(f"bench serve: {e}") from None
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown bench {args.name}")
     if args.json:
@@ -111,7 +128,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
     b.add_argument("name", choices=["loader", "extract", "heads", "decode", "cider", "learning", "train",
-                                       "import", "scale"],
+                                       "import", "scale", "serve"],
                    help="loader: Zarr store vs per-image .npy vs memory; extract: Dask vs a sequential loop; "
                    "heads: the bottom-up flavours' detector cost vs the stock detectron2 C4 model; "
                    "decode: greedy latency/throughput of every architecture vs AIC; "
@@ -120,11 +137,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "train: XE/SCST images/s of every family at paper size, fast path vs fp32 eager; "
                    "import: a synthetic butd TSV imported at several row counts, time and peak memory per count; "
                    "scale: every data-side stage at several dataset sizes (time, peak memory, bytes, growth "
-                   "exponents, extrapolation to COCO and 3.3M)")
+                   "exponents, extrapolation to COCO and 3.3M); "
+                   "serve: a model behind `mlflow models serve` on 127.0.0.1, requests/s and p50/p95 latency at "
+                   "several concurrency levels vs concurrency 1")
     b.add_argument("--external", help="cider: folder of the external COCO material (default: $CAPFLOW_EXTERNAL)")
     b.add_argument("--device", default="cpu", help="decode, train: torch device (cpu, cuda); extract: cuda runs "
                    "the GPU benchmark (coco settings, image files -> Zarr, vs the reference path)")
-    b.add_argument("--images-dir", help="extract --device cuda: real images to replicate (default: synthetic)")
+    b.add_argument("--images-dir", help="extract --device cuda: real images to replicate (default: synthetic); "
+                   "serve: the images sent (default $CAPFLOW_EXTERNAL/images)")
+    b.add_argument("--model", help="serve: the MLflow Model (models:/capflow-captioner@champion, runs:/..., a folder)")
+    b.add_argument("--concurrency", default="1,4,16", help="serve: client concurrency levels (default 1,4,16)")
+    b.add_argument("--requests", type=int, default=32, help="serve: requests per concurrency level (default 32)")
+    b.add_argument("--beam", type=int, help="serve: the beam param of every request (default: the model's)")
+    b.add_argument("--server-workers", type=int, default=1, help="serve: the server's worker processes (default 1)")
     b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
     b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
     b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo); "
@@ -139,7 +164,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--proposals", type=int, default=100, help="heads: ROI-head boxes per image (default 100)")
     b.add_argument("--min-size", type=int, default=600, help="heads: short image side at inference (default 600)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48)")
+    b.add_argument("--images", type=int, help="images (loader default 1000, extract default 48, serve: the first 8 "
+                   "of --images-dir)")
     b.add_argument("--batch-size", type=int, help="images per batch (loader, cider; default 50)")
     b.add_argument("--max-boxes", type=int, default=100, help="B_max (boxes per image drawn from 10..B_max)")
     b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")

@@ -1,9 +1,11 @@
 """What every ``capflow`` command shares: the configuration options, user-facing errors, JSON output, and the
-single-stage commands' run context (the pipeline's workdir layout and stage records, no MLflow runs)."""
+single-stage commands' run context (the pipeline's workdir layout and stage records; MLflow runs when a tracking
+URI is set)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from typing import Any
 
@@ -65,11 +67,28 @@ def workdir_lock(args: argparse.Namespace):
     return hold_workdir(cfg.workdir, f"capflow {command}")
 
 
-def local_context(args: argparse.Namespace, progress: bool = True):
-    """The run context of a single-stage command (:meth:`tasks.common.RunContext.local`)."""
-    from tasks.common import RunContext
+def tracking_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-track", action="store_true", help="record no MLflow run, even with a tracking URI set "
+                   "(MLFLOW_TRACKING_URI or tracking.tracking_uri)")
 
-    return RunContext.local(load_cfg(args), progress=progress)
+
+@contextlib.contextmanager
+def stage_context(args: argparse.Namespace, progress: bool = True, rerun: frozenset[str] = frozenset()):
+    """The run context of a single-stage command: the pipeline's workdir layout and stage records; with a tracking
+    URI set (and no ``--no-track``) a parent run ``capflow <command>`` whose stage runs have the pipeline's shape
+    (:meth:`tasks.common.RunContext.tracked`), else no MLflow at all (:meth:`~tasks.common.RunContext.local`)."""
+    from tasks.common import RunContext, tracking_requested
+
+    cfg = load_cfg(args)
+    if getattr(args, "no_track", False) or not tracking_requested(cfg):
+        yield RunContext.local(cfg, progress=progress, rerun=rerun)
+        return
+    from tasks.tracking import Tracker
+
+    command = getattr(args, "command", "") or "command"
+    with RunContext.tracked(cfg, Tracker(cfg), f"capflow {command}", {"capflow.command": command},
+                            progress=progress, rerun=rerun) as rc:
+        yield rc
 
 
 def print_json(obj: Any) -> None:

@@ -7,7 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from flows.cli.common import CLIError, config_args, local_context, print_json
+from flows.cli.common import CLIError, config_args, print_json, stage_context, tracking_args
 
 log = logging.getLogger("capflow")
 
@@ -16,7 +16,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from captioning.data.karpathy import Dataset
     from tasks.data import ingest
 
-    ref = ingest(local_context(args, progress=not args.json))
+    with stage_context(args, progress=not args.json) as rc:
+        ref = ingest(rc)
     ds = Dataset.load(ref.path)
     summary = ds.summary()
     if args.json:
@@ -38,16 +39,16 @@ def cmd_vocab(args: argparse.Namespace) -> int:
     from captioning.data.text import Vocabulary
     from tasks.data import MissingStageError, features_for, features_of_store, ingest, vocab
 
-    rc = local_context(args, progress=not args.json)
-    data = ingest(rc)
-    if args.features:
-        feats = features_of_store(args.features)
-    else:
-        try:
-            feats = features_for(rc, data)
-        except MissingStageError:
-            feats = None  # rows in the dataset's own order; `capflow train` needs a feature store
-    ref = vocab(rc, data, feats)
+    with stage_context(args, progress=not args.json) as rc:
+        data = ingest(rc)
+        if args.features:
+            feats = features_of_store(args.features)
+        else:
+            try:
+                feats = features_for(rc, data)
+            except MissingStageError:
+                feats = None  # rows in the dataset's own order; `capflow train` needs a feature store
+        ref = vocab(rc, data, feats)
     v = Vocabulary.load(ref.vocab_path)
     radix = v.radix()
     info = {"vocab": ref.vocab_path, "words": len(v.words), "ids": len(v), "min_count": v.min_count,
@@ -88,10 +89,11 @@ def cmd_import_features(args: argparse.Namespace) -> int:
             if d is not None and not d.exists():
                 raise CLIError(f"{d} is not a folder")
     try:
-        ref = import_features(local_context(args, progress=not args.json), att, box, source=source, fmt=args.format,
-                              boxes=args.boxes, tsv_fields=args.tsv_fields.split(",") if args.tsv_fields else None,
-                              image_sizes_files=[Path(p) for p in args.image_sizes or ()], uri=args.out,
-                              overwrite=args.overwrite)
+        with stage_context(args, progress=not args.json) as rc:
+            ref = import_features(rc, att, box, source=source, fmt=args.format, boxes=args.boxes,
+                                  tsv_fields=args.tsv_fields.split(",") if args.tsv_fields else None,
+                                  image_sizes_files=[Path(p) for p in args.image_sizes or ()], uri=args.out,
+                                  overwrite=args.overwrite)
     except (MissingStageError, FeatureImportError) as e:
         raise CLIError(str(e)) from None
     summary = FeatureStore.open(ref.uri).summary()
@@ -117,12 +119,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from captioning.features.parallel import store_uri
     from tasks.data import extract, ingest
 
-    rc = local_context(args, progress=not args.json)
-    data = ingest(rc)
-    uri = args.out or store_uri(rc.cfg)
-    if not args.resume:
-        _remove_store(uri)
-    ref = extract(rc, data, uri=uri, workers=args.workers, reuse=False)
+    with stage_context(args, progress=not args.json) as rc:
+        data = ingest(rc)
+        uri = args.out or store_uri(rc.cfg)
+        if not args.resume:
+            _remove_store(uri)
+        ref = extract(rc, data, uri=uri, workers=args.workers, reuse=False)
     if rc.cfg.features.source == "synthetic-informative":
         st = FeatureStore.open(ref.uri)
         if args.json:
@@ -165,6 +167,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "dataset when no annotations are set); write the normalised dataset and the reject list to the workdir "
         "(datasets/dataset-<digest>.json, datasets/rejects-<digest>.json)."))
     config_args(i)
+    tracking_args(i)
     i.add_argument("--json", action="store_true", help="print a JSON summary")
     i.set_defaults(func=cmd_ingest)
 
@@ -173,6 +176,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "aligned to the rows of the workdir's feature store (the one `capflow extract`, `capflow import-features` "
         "or `capflow run` recorded) or of --features."))
     config_args(v)
+    tracking_args(v)
     v.add_argument("--features", metavar="URI", help="feature store whose rows the labels point at "
                    "(default: the recorded one; none: the dataset's own order)")
     v.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -189,6 +193,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                            "the path. Image ids come from dataset.annotations when set (its images are the rows), "
                            "else from the source. Every malformed record is a rejected row with its reason."))
     config_args(f)
+    tracking_args(f)
     f.add_argument("source", nargs="?", help="file or folder to import (a TSV file or folder of them, an HDF5 file, "
                    "a folder of MILVLG .npz files, a folder holding cocobu_att/ and cocobu_box*/)")
     f.add_argument("--format", default="auto", choices=["auto", "npy", "npz", "lmdb", "butd-tsv", "m2-hdf5",
@@ -217,6 +222,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "chunked Zarr store, in parallel on Dask. Re-running resumes: finished chunks are skipped and new images "
         "are appended; other extractor settings or weights make a new store."))
     config_args(x)
+    tracking_args(x)
     x.add_argument("--workers", type=int, help="Dask worker processes (default features.workers; 0 = no Dask)")
     x.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="continue the store of these settings (default); --no-resume deletes it and starts over")

@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from flows.cli.common import CLIError, config_args, load_cfg, print_json
+from flows.cli.common import CLIError, config_args, load_cfg, print_json, stage_context, tracking_args
 
 
 def cmd_params(args: argparse.Namespace) -> int:
@@ -46,11 +46,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     for flag, path in (("--results", args.results), ("--references", args.references)):
         if path and Path(path).is_dir():
             raise CLIError(f"{flag} {path} is a folder, not a JSON file: give the file itself")
+    from tasks.report import scored_files
+
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, stage_context(args, progress=False) as rc:
             warnings.simplefilter("always")
             res = evaluate_files(args.results, args.references, spice_jars=args.spice_jars,
                                  duplicates=args.duplicates)
+            scored_files(rc, args.results, args.references, res)
     except (EvaluationInputError, FileNotFoundError) as e:
         raise CLIError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
@@ -159,6 +162,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     help="an image id with several captions in --results: error (default) or keep the first")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     config_args(ev)
+    tracking_args(ev)
     ev.set_defaults(func=cmd_evaluate)
 
     cp = sub.add_parser("caption", help="caption image files with a trained model", description=(

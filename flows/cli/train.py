@@ -1,17 +1,22 @@
-"""``capflow train``: one model (the teacher or a student; XE, or SCST from a checkpoint), in one or N
-data-parallel processes, through the same training job as the pipeline
-(:func:`captioning.training.stages.run_training`).
+"""``capflow train``: one model, in one or N data-parallel processes.
 
-Without path options it trains on the workdir's recorded stages: the dataset, the feature store (extracted,
-imported or written by ``capflow run``) and the label store for them (the vocab stage's record, built now when
-missing) - so ``capflow run`` then ``capflow train --model lw`` needs no flags."""
+``capflow train --model NAME`` is the pipeline's own job for that model (:func:`tasks.training.model_job`): the
+teacher, or a student with the recipe's captions, initialisation, SCST, evaluation and registration, under the
+pipeline's stage keys - so after ``capflow run`` it finds the student instead of training it again, and
+``--retrain`` trains it anew. Any of ``--captions``, ``--seqkd-source``, ``--init``, ``--scst-from``, ``--features``,
+``--labels``, ``--out`` or ``--torchrun-job`` makes it a custom training instead (one XE or SCST run in its own
+folder, which a killed run resumes: :func:`tasks.training.custom_training`).
+
+Inputs are the workdir's recorded stages: the dataset, the feature store (extracted, imported or written by
+``capflow run``) and its label store (built now when missing). With a tracking URI set the command records an MLflow
+run ``capflow train`` with the stage runs and the model's LoggedModel under it (``--no-track``: none)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from flows.cli.common import CLIError, config_args, local_context, print_json
+from flows.cli.common import CLIError, config_args, print_json, stage_context, tracking_args
 
 
 def _inputs(args: argparse.Namespace, rc) -> dict[str, str | None]:
@@ -27,7 +32,7 @@ def _inputs(args: argparse.Namespace, rc) -> dict[str, str | None]:
         if not args.features:
             raise CLIError("with --labels/--vocab give the --features store they point at")
         return {"vocab": args.vocab, "labels": args.labels, "features": args.features, "dataset": None,
-                "labels_digest": args.labels}
+                "labels_digest": args.labels, "features_digest": args.features, "dataset_digest": None}
     data = ingest(rc)
     try:
         feats = features_of_store(args.features) if args.features else features_for(rc, data)
@@ -35,50 +40,110 @@ def _inputs(args: argparse.Namespace, rc) -> dict[str, str | None]:
         raise CLIError(str(e)) from None
     labels = vocab(rc, data, feats)  # the recorded one (the pipeline's, for the same settings) or built now
     return {"vocab": labels.vocab_path, "labels": labels.labels_uri, "features": feats.uri, "dataset": data.path,
-            "labels_digest": labels.labels_digest}
+            "labels_digest": labels.labels_digest, "features_digest": feats.digest, "dataset_digest": data.digest}
 
 
-def _seqkd_source(rc, args: argparse.Namespace) -> str | None:
-    if args.captions == "ground_truth" or args.seqkd_source:
+def _seqkd_source(rc, args: argparse.Namespace, captions: str) -> str | None:
+    if captions == "ground_truth" or args.seqkd_source:
         return args.seqkd_source
     from tasks.refs import SeqKDRef
 
     kd = rc.cache.latest("seqkd", SeqKDRef)
     if kd is None:
-        raise CLIError(f"--captions {args.captions} needs teacher captions in the label store: give --seqkd-source "
+        raise CLIError(f"--captions {captions} needs teacher captions in the label store: give --seqkd-source "
                        "or run the pipeline (`capflow run`), whose seqkd stage writes them")
     return kd.source
 
 
+#: the options that make `capflow train` a custom training instead of the recipe's job
+CUSTOM = ("captions", "seqkd_source", "init", "scst_from", "features", "labels", "vocab", "out", "torchrun_job")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from captioning.training.recipe import preset_name
-    from captioning.training.stages import TrainSpec, run_training
-    from tasks.cache import stage_key
+    from tasks.training import TEACHER_NAMES
 
-    if args.nproc < 1:
+    if args.nproc is not None and args.nproc < 1:
         raise CLIError("--nproc must be >= 1")
-    if args.model not in ("teacher", "aic"):
+    if args.model not in TEACHER_NAMES:
         try:
             preset_name(args.model)
         except ValueError as e:
             raise CLIError(str(e)) from None
-    rc = local_context(args, progress=not args.json)
-    cfg = rc.cfg
-    paths = _inputs(args, rc)
-    seqkd_source = _seqkd_source(rc, args)
-    stage = f"train-{args.model}" + ("-scst" if args.scst_from else "")
-    settings = "teacher" if args.model in ("teacher", "aic") else "students"
-    key = stage_key(stage, labels=paths["labels_digest"], features=paths["features"], captions=args.captions,
-                    seqkd=seqkd_source, init=args.init, scst_from=args.scst_from, settings=cfg.digest(settings),
-                    loader=cfg.digest("loader"), seed=cfg.run.seed, max_words=cfg.dataset.max_words,
-                    nproc=args.nproc)
-    spec = TrainSpec(model=args.model, vocab_path=paths["vocab"], labels_uri=paths["labels"],
-                     features_uri=paths["features"], out=args.out or str(rc.workdir.stage_dir(stage, key)),
-                     captions=args.captions, seqkd_source=seqkd_source, init_from=args.init,
-                     scst_from=args.scst_from, dataset_path=paths["dataset"])
+    custom = [f"--{f.replace('_', '-')}" for f in CUSTOM if getattr(args, f)]
+    if custom and (args.retrain or args.no_scst):
+        raise CLIError(f"{'--retrain' if args.retrain else '--no-scst'} applies to the recipe's job; with "
+                       f"{', '.join(custom)} this is a custom training, which resumes its folder (remove it, or give "
+                       "another --out, to start over)")
+    return _custom(args) if custom else _recipe(args)
+
+
+def _recipe(args: argparse.Namespace) -> int:
+    """The pipeline's job for the model: its stage record when it has one (``--retrain``: trained anew)."""
+    from tasks.data import MissingStageError, features_for, ingest, vocab
+    from tasks.refs import StudentFailure, StudentResult
+    from tasks.training import TEACHER_NAMES, model_job
+
+    is_teacher = args.model in TEACHER_NAMES
+    if args.nproc is not None:
+        args.overrides = [*args.overrides, f"{'teacher' if is_teacher else 'students'}.nproc={args.nproc}"]
+    if args.no_scst:
+        args.overrides = [*args.overrides, "students.scst.enabled=false"]
+    stage = "teacher" if is_teacher else f"student-{args.model}"
+    with stage_context(args, progress=not args.json, rerun=frozenset({stage} if args.retrain else ())) as rc:
+        data = ingest(rc)
+        try:
+            feats = features_for(rc, data)
+        except MissingStageError as e:
+            raise CLIError(str(e)) from None
+        labels = vocab(rc, data, feats)
+        res = model_job(rc, args.model, data, feats, labels, scst=rc.cfg.students.scst.enabled)
+        if isinstance(res, StudentFailure):
+            raise CLIError(f"student {args.model} failed: {res.error}")
+    status = rc.stages.get(stage, "ran")
+    if args.json:
+        print_json({"model": args.model, "stage": stage, "status": status, "result": res.to_record()})
+    elif isinstance(res, StudentResult):
+        how = "found in the stage records (--retrain trains it again)" if status == "cached" else "trained"
+        cider = res.metrics.get("CIDEr")
+        print(f"{res.student} ({res.preset}): {how}; test CIDEr {cider:.4f}" if cider is not None else
+              f"{res.student} ({res.preset}): {how}")
+        print(f"model {Path(res.checkpoint).parent}" + (f"; registered version {res.model_version}"
+                                                        if res.model_version else ""))
+    else:
+        how = "found in the stage records (--retrain trains it again)" if status == "cached" else "trained"
+        print(f"teacher: {how}; best validation CIDEr {res.best_val_cider:.4f}: {res.checkpoint}")
+    return 0
+
+
+def _custom(args: argparse.Namespace) -> int:
+    """One XE or SCST training with the given captions / initialisation / stores, in its own folder."""
+    from captioning.training.stages import TrainSpec
+    from tasks.cache import stage_key
+    from tasks.training import TEACHER_NAMES, custom_training
+
+    nproc = args.nproc or 1
     if args.torchrun_job:
-        return _write_torchrun_job(args, cfg, spec)
-    res = run_training(cfg, spec, nproc=args.nproc, progress=not args.json)
+        args.no_track = True  # the job is written here and trains elsewhere: nothing to record now
+    with stage_context(args, progress=not args.json) as rc:
+        cfg = rc.cfg
+        paths = _inputs(args, rc)
+        captions = args.captions or "ground_truth"
+        seqkd_source = _seqkd_source(rc, args, captions)
+        stage = f"train-{args.model}" + ("-scst" if args.scst_from else "")
+        settings = "teacher" if args.model in TEACHER_NAMES else "students"
+        key = stage_key(stage, labels=paths["labels_digest"], features=paths["features"], captions=captions,
+                        seqkd=seqkd_source, init=args.init, scst_from=args.scst_from, settings=cfg.digest(settings),
+                        loader=cfg.digest("loader"), seed=cfg.run.seed, max_words=cfg.dataset.max_words, nproc=nproc)
+        spec = TrainSpec(model=args.model, vocab_path=paths["vocab"], labels_uri=paths["labels"],
+                         features_uri=paths["features"], out=args.out or str(rc.workdir.stage_dir(stage, key)),
+                         captions=captions, seqkd_source=seqkd_source, init_from=args.init,
+                         scst_from=args.scst_from, dataset_path=paths["dataset"])
+        if args.torchrun_job:
+            return _write_torchrun_job(args, cfg, spec, nproc)
+        res = custom_training(rc, stage, spec, nproc, {"features": paths["features_digest"],
+                                                       "labels": paths["labels_digest"],
+                                                       "dataset": paths["dataset_digest"]})
     if args.json:
         print_json(res)
     else:
@@ -89,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_torchrun_job(args: argparse.Namespace, cfg, spec) -> int:
+def _write_torchrun_job(args: argparse.Namespace, cfg, spec, nproc: int) -> int:
     """The stage as a job for ``torchrun ... -m captioning.training.torchrun JOB`` (every path absolute: the
     launcher's processes may start in other directories, on other nodes)."""
     import dataclasses
@@ -100,35 +165,44 @@ def _write_torchrun_job(args: argparse.Namespace, cfg, spec) -> int:
     spec = dataclasses.replace(spec, **{f.name: absolute(getattr(spec, f.name)) for f in dataclasses.fields(spec)
                                         if f.name in ("vocab_path", "labels_uri", "features_uri", "out", "init_from",
                                                       "scst_from", "dataset_path")})
-    path = write_job(args.torchrun_job, worker_config(cfg).model_dump_json(), spec, args.nproc)
-    command = (f"torchrun --nnodes 1 --nproc-per-node {args.nproc} -m captioning.training.torchrun "
+    path = write_job(args.torchrun_job, worker_config(cfg).model_dump_json(), spec, nproc)
+    command = (f"torchrun --nnodes 1 --nproc-per-node {nproc} -m captioning.training.torchrun "
                f"{path.resolve()}")
     if args.json:
-        print_json({"job": str(path.resolve()), "nproc": args.nproc, "out": spec.out, "command": command})
+        print_json({"job": str(path.resolve()), "nproc": nproc, "out": spec.out, "command": command})
     else:
-        print(f"job for {args.nproc} processes: {path.resolve()}\ncheckpoints: {spec.out}\nrun it on one node "
-              f"with:\n  {command}\n(several nodes: --nnodes N --nproc-per-node {args.nproc}/N --rdzv-backend "
+        print(f"job for {nproc} processes: {path.resolve()}\ncheckpoints: {spec.out}\nrun it on one node "
+              f"with:\n  {command}\n(several nodes: --nnodes N --nproc-per-node {nproc}/N --rdzv-backend "
               "c10d --rdzv-endpoint HOST:PORT on each; infra/README.md)")
     return 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train", help="train one model (XE or SCST), optionally data-parallel", description=(
-        "Train the teacher or one student with cross-entropy, or fine-tune a checkpoint with SCST. Without path "
-        "options it uses the workdir's recorded stages (dataset, feature store, label store: what `capflow run`, "
-        "`capflow extract` or `capflow import-features` left; the label store is built when missing). "
-        "Checkpoints go to <workdir>/runs/train-<model>-<key>/; a killed run resumes from its last epoch "
-        "checkpoint. --nproc N runs N data-parallel processes (torch DDP: gloo on CPU, NCCL on GPUs)."))
+    t = sub.add_parser("train", help="train one model as the pipeline does (or a custom XE/SCST run)", description=(
+        "Train the teacher or one student as the pipeline does: the recipe's captions (SeqKD where the config says "
+        "so; the teacher and its captions are found or made first), initialisation, SCST, test evaluation and the "
+        "registered MLflow Model, under the pipeline's stage keys - after `capflow run` the student is found, not "
+        "trained again (--retrain: trained anew). Any of --captions, --seqkd-source, --init, --scst-from, "
+        "--features, --labels, --out, --torchrun-job makes it a custom training: one XE run (or SCST from a "
+        "checkpoint) in <workdir>/runs/train-<model>-<key>/ (or --out), which a killed run resumes. Inputs are the "
+        "workdir's recorded stages (what `capflow run`, `capflow extract` or `capflow import-features` left; the "
+        "label store is built when missing). --nproc N runs N data-parallel processes (torch DDP: gloo on CPU, "
+        "NCCL on GPUs). With MLFLOW_TRACKING_URI or tracking.tracking_uri set, an MLflow run `capflow train` "
+        "records it (the model as a LoggedModel)."))
     config_args(t)
+    tracking_args(t)
     t.add_argument("--model", default="teacher",
                    help="teacher, a student family (acort, expansionnet, lw, satic, zodiac) or a registry preset")
-    t.add_argument("--captions", choices=["ground_truth", "seqkd", "both"], default="ground_truth",
-                   help="which label-store captions to train on")
+    t.add_argument("--retrain", action="store_true", help="train the recipe's model anew although it is recorded")
+    t.add_argument("--no-scst", action="store_true", help="the recipe's student without SCST fine-tuning")
+    t.add_argument("--captions", choices=["ground_truth", "seqkd", "both"],
+                   help="custom training on these label-store captions (default of a custom run: ground_truth)")
     t.add_argument("--seqkd-source", help="name of the SeqKD source in the label store (default: the recorded "
                    "seqkd stage's)")
     t.add_argument("--init", help="checkpoint whose matching tensors initialise the model (SATIC weight-init)")
     t.add_argument("--scst-from", help="fine-tune this XE checkpoint with SCST instead of XE training")
-    t.add_argument("--nproc", type=int, default=1, help="data-parallel processes (default 1)")
+    t.add_argument("--nproc", type=int, help="data-parallel processes (default: teacher.nproc / students.nproc; "
+                   "a custom run: 1)")
     t.add_argument("--features", help="feature store URI (default: the recorded one)")
     t.add_argument("--labels", help="label store (default: the recorded one; give --vocab and --features too)")
     t.add_argument("--vocab", help="vocabulary (with --labels)")
