@@ -209,10 +209,19 @@ def _browser(url: str, png: Path) -> str:
                    timeout=120, check=True)
     dom = subprocess.run([*base, f"--user-data-dir={profile}-d", "--dump-dom", url], capture_output=True, text=True,
                          timeout=120, check=True).stdout
+    png.with_suffix(".html").write_text(dom, encoding="utf-8")  # kept beside the screenshot
     shutil.rmtree(f"{profile}-s", ignore_errors=True)
     shutil.rmtree(f"{profile}-d", ignore_errors=True)
     assert png.stat().st_size > 20_000  # a rendered page, not a blank one
     return dom
+
+
+def _text(dom: str) -> str:
+    """A rendered page's visible text, whitespace collapsed."""
+    import html
+    import re
+
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom))).replace("\xa0", " ").replace("  ", " ")
 
 
 def test_prefect_and_mlflow_uis_render_the_runs(plat):
@@ -231,6 +240,21 @@ def test_prefect_and_mlflow_uis_render_the_runs(plat):
     run_page = _browser(f"{st.mlflow_url}/#/experiments/{exp}/runs/{student.info.run_id}",
                         SHOTS / "mlflow-student-run.png")
     assert "lw-1x" in run_page and "test_CIDEr" in run_page and "xe_best_val_CIDEr" in run_page
+    # the registered champion's version page and its LoggedModel's page: alias, metrics, the linked dataset
+    client = plat.client()
+    champ = client.get_model_version_by_alias("capflow-captioner", "champion")
+    version_page = _browser(f"{st.mlflow_url}/#/models/capflow-captioner/versions/{champ.version}",
+                            SHOTS / "mlflow-model-version.png")
+    shown = _text(version_page)
+    assert f"capflow-captioner Version {champ.version}" in shown and "Aliases : @ champion" in shown
+    assert "Source Run : lw-1x" in shown
+    model_id = champ.source.removeprefix("models:/")
+    model = client.get_logged_model(model_id)
+    model_page = _browser(f"{st.mlflow_url}/#/experiments/{exp}/models/{model_id}", SHOTS / "mlflow-logged-model.png")
+    shown = _text(model_page)
+    assert model.name in shown and model_id in shown
+    (linked,) = {m.dataset_digest for m in model.metrics if m.key == "test_CIDEr"}
+    assert f"test_CIDEr dataset (#{linked[:16]}" in shown  # the metric, measured on the linked dataset
 
 
 def test_caption_real_images_with_the_champion(plat, external):

@@ -34,22 +34,20 @@ format) are read by :func:`captioning.safe_pickle.load_detectron2_pkl`: a restri
 numpy arrays, dtypes, scalars and ``OrderedDict`` and refuses anything else (e.g. a pickle that would call
 ``os.system``) before it runs, naming the file and the forbidden global; Caffe2 names are still converted by
 detectron2's name matching when the weights are loaded. The class count (``MODEL.ROI_HEADS.NUM_CLASSES``) and
-class-agnostic box regression follow the checkpoint's box predictor. An attribute head (Visual Genome bottom-up
-checkpoints) is ignored with a note. A checkpoint that lacks parameters of the model, or has tensors of the wrong
-shape, is an error.
+class-agnostic box regression follow the checkpoint's box predictor. A checkpoint that lacks parameters of the model,
+has tensors of the wrong shape or tensors the model does not use (an attribute head: a Visual Genome bottom-up port,
+which the ``airsplay``/``milvlg`` flavours of :mod:`captioning.features.bottom_up_extractor` read), is an error.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import pickle
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +84,6 @@ RANDOM_WEIGHTS_WARNING = (
     "Faster R-CNN. Fine for tests and the demo's plumbing, meaningless for real captioning."
 )
 BOX_SELECTION = "per-class NMS over proposal boxes; score = best surviving class probability (bottom-up)"
-DEVICE_THREADS = 2  # batches in flight on one CUDA device (each thread its own stream)
 PAD_QUANTUM = 32  # padded batching: the long side of the canvas is a multiple of this
 _PRE_NMS_FLOOR = 6000  # detectron2's default RPN.PRE_NMS_TOPK_TEST for C4 models
 
@@ -217,29 +214,6 @@ def resized_rgb(image: np.ndarray, min_size: int, max_size: int) -> np.ndarray:
     if (h, w) != shape:
         img = ResizeTransform(h, w, shape[0], shape[1], Image.BILINEAR).apply_image(img)
     return np.ascontiguousarray(img)
-
-
-def _load_resized(load: Callable[[], np.ndarray], min_size: int, max_size: int):
-    """A loader process's work for one image: ``load()`` then :func:`resized_rgb`. Returns (resized array,
-    original (H, W)), or the exception raised on the way (returned, not raised: it is the image's result)."""
-    try:
-        image = load()
-        RegionExtractor._check_images([image])
-        return resized_rgb(image, min_size, max_size), (int(image.shape[0]), int(image.shape[1]))
-    except Exception as e:
-        try:
-            pickle.dumps(e)
-        except Exception:
-            return RuntimeError(f"{type(e).__name__}: {e}")
-        return e
-
-
-def _picklable(obj: Any) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:
-        return False
-    return True
 
 
 class RegionExtractor:
@@ -715,127 +689,14 @@ class RegionExtractor:
                window: int | None = None) -> Iterator[tuple[Any, Regions | Exception]]:
         """Extract a stream of images: ``items`` yields ``(key, load)`` where ``load()`` returns the RGB array or
         raises (e.g. ``ImageRejected``); yields ``(key, Regions)`` or ``(key, exception)`` for every item, in
-        completion order.
+        completion order (:class:`captioning.features.stream.ExtractionStream`). ``threads`` decode/resize threads
+        run ahead of the model (default ``loader_threads``; ``loader_processes`` processes instead for picklable
+        ``load`` callables; ``threads=0`` loads inline); batches form among up to ``window`` ready images (default
+        4 x batch_size) by :meth:`_group_key`."""
+        from captioning.features.stream import ExtractionStream
 
-        Overlap: ``threads`` decode/resize threads run ahead of the model (default ``loader_threads``) - or, with
-        ``loader_processes`` and picklable ``load`` callables (e.g. a ``functools.partial`` of ``load_rgb``), that
-        many processes, which do not contend for this interpreter's lock (``threads=0`` loads inline, no
-        processes); batches form among up to ``window`` ready images (default 4 x batch_size) by
-        :meth:`_group_key`, and on CUDA two device threads (each with its own stream) alternate batches, so that
-        one batch's kernels run while the other thread waits on a synchronisation or selects its boxes on the
-        host. A loader process that dies (or a result that cannot travel back) sends its image, and every later
-        one, through the threads instead: the same numbers either way.
-        """
         threads = self.loader_threads if threads is None else threads
-        bs = self.cfg.batch_size
-        window = window or 4 * bs
-        remote = bool(threads) and self.loader_processes > 0
-
-        def load(key, fn) -> Prepared | tuple[Any, Exception]:
-            try:
-                return self.prepare(fn(), key)
-            except Exception as e:
-                return (key, e)
-
-        loaders = ThreadPoolExecutor(threads, thread_name_prefix="capflow-decode") if threads else None
-        lookahead = window + 2 * max(threads, self.loader_processes if remote else 0, 1)
-        min_size, max_size = self.cfg.min_size, self.cfg.max_size
-
-        checked = False
-
-        def submit(key, fn):
-            nonlocal remote, checked
-            remote = remote and self.loader_processes > 0  # off for good once a loader process failed
-            if remote:
-                if not checked and not _picklable(fn):  # checked once: a stream's callables are of one kind
-                    log.info("loader callables cannot be pickled (%s): decoding on loader threads",
-                             type(fn).__name__)
-                    remote = False
-                else:
-                    checked = True
-                    try:
-                        return key, fn, self._process_pool().submit(_load_resized, fn, min_size, max_size), True
-                    except Exception as e:  # a broken pool, or one that cannot start here
-                        self._drop_pool(e)
-                        remote = False
-            return key, fn, (loaders.submit(load, key, fn) if loaders else load(key, fn)), False
-
-        def resolve(entry) -> Prepared | tuple[Any, Exception]:
-            key, fn, got, in_process = entry
-            if not in_process:
-                return got.result() if isinstance(got, Future) else got
-            try:
-                res = got.result()
-            except Exception as e:  # the process died (BrokenProcessPool) or the result could not travel
-                self._drop_pool(e)
-                return load(key, fn)
-            if isinstance(res, BaseException):
-                return (key, res)
-            img, size = res
-            return self._prepared(key, img, size)
-        # CUDA: two device threads, each on its own stream, so one batch's kernels run while the other thread's
-        # Python waits (detectron2's RPN synchronises) or selects boxes; CPU: one (the caller's thread count).
-        lanes = DEVICE_THREADS if self.device.type == "cuda" else 1
-        device = ThreadPoolExecutor(lanes, thread_name_prefix="capflow-device")
-        streams: dict[int, Any] = {}
-        it = iter(items)
-        ahead: deque = deque()
-        finishing: deque = deque()
-        groups: dict[tuple, list[Prepared]] = {}
-        held = 0
-
-        def run(batch: list[Prepared]) -> list[tuple[Any, Regions | Exception]]:
-            if self.device.type != "cuda":
-                return [x for d in self._detect_safe(batch) for x in self._finished(d)]
-            import threading
-
-            stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(self.device))
-            with torch.cuda.stream(stream):
-                dets = self._detect_safe(batch)
-            return [x for d in dets for x in self._finished(d)]
-
-        def launch(batch: list[Prepared]):
-            finishing.append(device.submit(run, batch))
-
-        def drain(block: bool):
-            while finishing and (block or len(finishing) > lanes or finishing[0].done()):
-                yield from finishing.popleft().result()
-
-        try:
-            while True:
-                while len(ahead) < lookahead:
-                    try:
-                        key, fn = next(it)
-                    except StopIteration:
-                        break
-                    ahead.append(submit(key, fn))
-                if not ahead:
-                    break
-                got = resolve(ahead.popleft())
-                if isinstance(got, tuple):  # could not be loaded
-                    yield got
-                    continue
-                g = groups.setdefault(self._group_key(got), [])
-                g.append(got)
-                held += 1
-                if len(g) == bs:
-                    held -= len(g)
-                    launch(groups.pop(self._group_key(got)))
-                elif held > window:  # too many images waiting for partners: run the oldest group as it is
-                    oldest = next(iter(groups))
-                    held -= len(groups[oldest])
-                    launch(groups.pop(oldest))
-                yield from drain(False)
-            for g in list(groups.values()):
-                launch(g)
-            yield from drain(True)
-        finally:
-            for entry in ahead:  # a consumer that stopped early: loads not started yet are not needed
-                if isinstance(entry[2], Future):
-                    entry[2].cancel()
-            if loaders:
-                loaders.shutdown(wait=True, cancel_futures=True)
-            device.shutdown(wait=True)
+        return ExtractionStream(self, threads, window or 4 * self.cfg.batch_size).run(items)
 
     def __call__(self, images: list[np.ndarray]) -> list[Regions]:
         """Regions of each image (same order). Raises ExtractionError for non-finite model outputs."""

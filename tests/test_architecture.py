@@ -1,0 +1,138 @@
+"""The code's shape, checked: the layers import downwards only (``flows -> tasks -> captioning``), no module-level
+import cycle, and every library module over the size limit is named in ARCHITECTURE.md with its reason."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = ("captioning", "tasks", "flows")  # each may import the ones before it, never the ones after
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in LAYERS:
+        for p in sorted((REPO / pkg).rglob("*.py")):
+            parts = list(p.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+def _imports(path: Path, name: str, module_level: bool) -> set[str]:
+    """Modules ``path`` imports (``from a.b import c`` counts ``a.b`` and ``a.b.c``): at module level only (what
+    runs on import; ``if TYPE_CHECKING:`` blocks excluded), or everywhere, function bodies included."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+
+    def add(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            add(node)
+            if isinstance(node, ast.If | ast.Try | ast.With):
+                visit(node.body)
+                for h in getattr(node, "handlers", []):
+                    visit(h.body)
+                visit(getattr(node, "orelse", []) or [])
+                visit(getattr(node, "finalbody", []) or [])
+
+    if module_level:
+        visit(tree.body)
+    else:
+        for node in ast.walk(tree):
+            add(node)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_level_import_cycle():
+    mods = _modules()
+    graph = {m: {i for i in _imports(p, m, module_level=True) if i in mods and i != m} for m, p in mods.items()}
+    assert _cycles(graph) == []
+
+
+def test_layers_import_downwards_only():
+    """The library never imports tasks or flows, tasks never import flows - not even inside a function."""
+    bad = []
+    for m, p in _modules().items():
+        layer = LAYERS.index(m.split(".")[0])
+        for i in _imports(p, m, module_level=False):
+            top = i.split(".")[0]
+            if top in LAYERS and LAYERS.index(top) > layer:
+                bad.append(f"{m} imports {i}")
+    assert bad == []
+
+
+def test_large_library_modules_are_named_with_a_reason():
+    text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    section = text.split("## Large modules", 1)[1].split("\n## ", 1)[0]
+    named = dict(re.findall(r"^- `(captioning/[^`]+\.py)`: (\S.+)$", section, flags=re.M))
+    large = {str(p.relative_to(REPO)) for p in (REPO / "captioning").rglob("*.py")
+             if len(p.read_text(encoding="utf-8").splitlines()) > MAX_LINES}
+    assert sorted(large - set(named)) == [], f"over {MAX_LINES} lines, not in ARCHITECTURE.md's Large modules"
+    assert sorted(set(named) - large) == [], "named in Large modules but not large (remove the line)"
