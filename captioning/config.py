@@ -97,7 +97,9 @@ class DatasetConfig(Section):
         "header",
         description="Image check at ingest: none, header (+ end marker of JPEG/PNG), decode (full decode)",
     )
-    hash_workers: int = Field(4, ge=1, le=1024, description="Threads hashing image files for the dataset digest")
+    hash_workers: int | None = Field(
+        None, ge=1, le=1024, description="Threads checking and hashing image files at ingest; unset = the usable "
+        "CPUs, at most 4 (more threads than cores only contend for the interpreter lock on small files)")
 
 
 class BottomUpOptions(Section):

@@ -14,6 +14,14 @@ from typing import IO
 import torch
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or ``taskset``'s limit), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -81,6 +81,8 @@ def what_changed(summary: dict[str, Any]) -> str:
     lines = ["## capflow run summary", "",
              f"- re-ran (inputs or settings changed): {', '.join(ran) or 'nothing'}",
              f"- reused from cache: {', '.join(cached) or 'nothing'}"]
+    if summary.get("seconds"):
+        lines.append("- wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["seconds"].items()))
     for f in summary["failed"]:
         lines.append(f"- FAILED: {f['student']}: {f['error']}")
     ch = summary["champion"]
@@ -108,11 +110,16 @@ def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) 
             cfg, tracker, "pipeline", {"prefect.flow_run_id": flow_run_id},
             progress=sys.stderr.isatty() if progress is None else progress) as rc:
         parent = rc.parent_run
-        data = ingest_task(rc)
-        feats = extract_task(rc, data)
-        labels = vocab_task(rc, data, feats)
-        teacher = teacher_task(rc, data, feats, labels)
-        kd = seqkd_task(rc, data, feats, labels, teacher)
+        with rc.timed("ingest"):
+            data = ingest_task(rc)
+        with rc.timed("extract"):
+            feats = extract_task(rc, data)
+        with rc.timed("vocab"):
+            labels = vocab_task(rc, data, feats)
+        with rc.timed("teacher"):
+            teacher = teacher_task(rc, data, feats, labels)
+        with rc.timed("seqkd"):
+            kd = seqkd_task(rc, data, feats, labels, teacher)
         results: list[StudentResult | StudentFailure] = []
         names = list(cfg.students.names)
         scst = cfg.students.scst.enabled
@@ -128,8 +135,10 @@ def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) 
                            for n in names[i: i + wave]]
                 with stop_threads_on_interrupt(futures):  # SIGTERM: the students stop too, not just this thread
                     results += [f.result() for f in futures]
-        board = leaderboard_task(rc, results, data)
-        promo = promote_task(rc, board, data.digest, data, feats, labels)
+        with rc.timed("leaderboard"):
+            board = leaderboard_task(rc, results, data)
+        with rc.timed("promote"):
+            promo = promote_task(rc, board, data.digest, data, feats, labels)
     return {
         "mlflow_run_id": parent,
         "tracking_uri": tracker.display_uri,  # credentials (from MLFLOW_TRACKING_URI) masked
@@ -142,6 +151,7 @@ def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) 
         "champion": {"version": promo.champion_version, "changed": promo.changed, "reason": promo.reason,
                      "student": promo.candidate if promo.changed else None},
         "stages": rc.stages,
+        "seconds": rc.seconds,  # wall time per stage in this run (students: in their own process or thread)
     }
 
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ class RunContext:
     stages: dict[str, str] = field(default_factory=dict)  # stage -> "ran" | "cached" | "failed"
     #: stages that run again although recorded (``capflow train --retrain``): record and folder are replaced
     rerun: frozenset[str] = frozenset()
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds in this run (cached: ~0)
 
     @classmethod
     def local(cls, cfg: PipelineConfig, progress: bool = False, rerun: frozenset[str] = frozenset()) -> RunContext:
@@ -59,6 +61,15 @@ class RunContext:
     @property
     def workdir(self) -> Workdir:
         return Workdir.of(self.cfg)
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Time the block as ``stage``'s wall seconds (:attr:`seconds`, the run summary's per-stage times)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = round(time.perf_counter() - t0, 3)
 
     def cached(self, stage: str, kind: type[R], **parts: Any) -> tuple[str, R | None]:
         """The stage's key and its recorded result of type ``kind`` (None: the stage must run)."""

@@ -32,6 +32,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from captioning.config import PipelineConfig
+from captioning.util import usable_cpus
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 
 log = logging.getLogger("capflow.pipeline")
@@ -52,11 +53,7 @@ def student_threads(cfg: PipelineConfig) -> int:
     """Torch threads of one student's process (the same whatever the number of students running at once)."""
     if cfg.students.threads:
         return cfg.students.threads
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, cfg.students.workers))
+    return max(1, usable_cpus() // max(1, cfg.students.workers))
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from captioning.data.stores import LabelStore
 from captioning.metrics.coco import references_document
 from captioning.training import checkpoint
 from captioning.training.loop import load_model
-from captioning.training.recipe import preset_name, scst_settings, student_arch, xe_settings
+from captioning.training.recipe import StudentPlan, preset_name, scst_settings, student_arch, student_plan, xe_settings
 from captioning.training.stages import StageContext, TrainSpec, evaluate, run_training, seqkd
 from captioning.util import sha256_file
 from tasks.common import RunContext, log
@@ -135,21 +135,20 @@ def seqkd_captions(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels:
     return rc.done("seqkd", key, SeqKDRef(run_id=run, source=name, labels_digest=digest, report=report))
 
 
-def student_key(rc: RunContext, name: str, arch: dict, feats: FeaturesRef, labels: LabelsRef, kd: SeqKDRef | None,
-                teacher: TeacherRef | None, scst: bool) -> dict[str, Any]:
+def student_key(rc: RunContext, plan: StudentPlan, arch: dict, feats: FeaturesRef, labels: LabelsRef,
+                kd: SeqKDRef | None, teacher: TeacherRef | None, scst: bool) -> dict[str, Any]:
     """The inputs and settings a student's result depends on (its stage key's parts)."""
     cfg = rc.cfg
     parts: dict[str, Any] = {"arch": arch, "xe": cfg.digest("students.xe"), "loader": cfg.digest("loader"),
                              "seed": cfg.run.seed, "features": feats.digest, "labels": labels.labels_digest,
                              "max_words": cfg.dataset.max_words, "nproc": cfg.students.nproc,
                              # this student's SCST settings: another student's epochs_for entry does not touch it
-                             "scst": json_digest(cfg.students.scst.for_student(name).model_dump(mode="json"))
-                             if scst else None,
+                             "scst": json_digest(plan.scst.model_dump(mode="json")) if scst else None,
                              "evaluation": cfg.digest("evaluation")}
-    if name in cfg.students.seqkd_for:
-        parts["seqkd"] = _needed(kd, "SeqKD captions", name).labels_digest
-    if name in cfg.students.teacher_init_for:
-        parts["teacher"] = _needed(teacher, "the teacher", name).checkpoint_digest
+    if plan.captions == "seqkd":
+        parts["seqkd"] = _needed(kd, "SeqKD captions", plan.name).labels_digest
+    if plan.init_from_teacher:
+        parts["teacher"] = _needed(teacher, "the teacher", plan.name).checkpoint_digest
     return parts
 
 
@@ -163,7 +162,8 @@ def student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, lab
             teacher: TeacherRef | None, kd: SeqKDRef | None, scst: bool = True) -> StudentResult | StudentFailure:
     """XE -> SCST -> test evaluation -> registered model version for one student; never raises."""
     try:
-        return _student(rc, name, data, feats, labels, teacher, kd, scst)
+        with rc.timed(f"student-{name}"):
+            return _student(rc, name, data, feats, labels, teacher, kd, scst)
     except Exception as e:
         log.error("student %s failed: %s", name, e)
         rc.stages[f"student:{name}"] = "failed"
@@ -174,16 +174,17 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
              teacher: TeacherRef | None, kd: SeqKDRef | None, scst: bool) -> StudentResult:
     cfg = rc.cfg
     ctx = _context(rc, data, feats, labels)
+    plan = student_plan(cfg, name)
     arch = student_arch(name, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
                         standardize=cfg.loader.standardize_features)
-    pname = preset_name(name)
+    pname = plan.preset
     stage = f"student-{name}"
-    key, hit = rc.cached(stage, StudentResult, **student_key(rc, name, arch.to_dict(), feats, labels, kd, teacher,
+    key, hit = rc.cached(stage, StudentResult, **student_key(rc, plan, arch.to_dict(), feats, labels, kd, teacher,
                                                              scst))
     if hit is not None:
         return hit
-    captions = "seqkd" if name in cfg.students.seqkd_for else "ground_truth"
-    init = _needed(teacher, "the teacher", name).checkpoint if name in cfg.students.teacher_init_for else None
+    captions = plan.captions
+    init = _needed(teacher, "the teacher", name).checkpoint if plan.init_from_teacher else None
     nproc = cfg.students.nproc
     with rc.tracker.run(pname, rc.parent_run, {"capflow.student": name}) as run:
         rc.tracker.params(run, {"student": name, "preset": pname, "captions": captions, "nproc": nproc,
@@ -301,10 +302,9 @@ def model_job(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, l
     ``capflow run`` this returns the pipeline's results without training."""
     if name in TEACHER_NAMES:
         return teacher(rc, data, feats, labels)
-    cfg = rc.cfg
-    needs_kd = name in cfg.students.seqkd_for
-    t = teacher(rc, data, feats, labels) if needs_kd or name in cfg.students.teacher_init_for else None
-    kd = seqkd_captions(rc, data, feats, labels, t) if needs_kd and t is not None else None
+    plan = student_plan(rc.cfg, name)
+    t = teacher(rc, data, feats, labels) if plan.needs_teacher else None
+    kd = seqkd_captions(rc, data, feats, labels, t) if plan.captions == "seqkd" and t is not None else None
     return student(rc, name, data, feats, labels, t, kd, scst)
 
 

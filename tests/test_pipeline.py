@@ -63,6 +63,10 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
     assert all(r["params"] > 0 and r["latency_ms"] > 0 and r["metrics"]["SPICE"] is None for r in res["leaderboard"])
     assert res["champion"]["changed"] and res["champion"]["version"] == res["leaderboard"][0]["model_version"]
     assert all(v == "ran" for v in res["stages"].values())
+    # every stage's wall time in this run, in the summary
+    assert set(res["seconds"]) == {"ingest", "extract", "vocab", "teacher", "seqkd", "leaderboard", "promote",
+                                   *(f"student-{n}" for n in STUDENTS)}
+    assert all(v > 0 for v in res["seconds"].values())
     # the most-frequent-caption baseline on the same test split, beside the students
     base = res["baseline"]
     from collections import Counter

@@ -79,12 +79,14 @@ def test_a_students_key_moves_with_its_own_scst_epochs_only():
     from types import SimpleNamespace
 
     from captioning.config import load_config
+    from captioning.training.recipe import student_plan
     from tasks.training import student_key
 
     def key(name, *overrides, scst=True):
         cfg = load_config("demo", overrides=list(overrides))
         ref = SimpleNamespace(digest="f", labels_digest="l", checkpoint_digest="t")
-        return student_key(SimpleNamespace(cfg=cfg), name, {"arch": name}, ref, ref, ref, ref, scst)
+        return student_key(SimpleNamespace(cfg=cfg), student_plan(cfg, name), {"arch": name}, ref, ref, ref, ref,
+                           scst)
 
     longer = "students.scst.epochs_for.expansionnet=9"
     assert key("lw") == key("lw", longer) and key("lw", scst=False) == key("lw", longer, scst=False)
@@ -93,6 +95,23 @@ def test_a_students_key_moves_with_its_own_scst_epochs_only():
     epochs = load_config("demo").students.scst.epochs
     assert key("expansionnet") == key("expansionnet", f"students.scst.epochs_for.expansionnet={epochs}")
     assert key("lw") != key("lw", "students.scst.lr=1e-4")
+
+
+def test_student_plan_decides_captions_init_and_scst_once():
+    from captioning.config import load_config
+    from captioning.training.recipe import student_plan
+
+    cfg = load_config("demo", overrides=["students.seqkd_for=[satic,lw]", "students.teacher_init_for=[satic]",
+                                         "students.scst.epochs_for.lw=7"])
+    satic, lw, acort = (student_plan(cfg, n) for n in ("satic", "lw", "acort"))
+    assert (satic.preset, satic.captions, satic.init_from_teacher, satic.needs_teacher) == \
+        ("satic-k4", "seqkd", True, True)
+    assert (lw.preset, lw.captions, lw.init_from_teacher, lw.needs_teacher, lw.scst.epochs) == \
+        ("lw-1x", "seqkd", False, True, 7)
+    assert (acort.captions, acort.init_from_teacher, acort.needs_teacher) == ("ground_truth", False, False)
+    assert acort.scst.epochs == cfg.students.scst.epochs
+    with pytest.raises(ValueError, match="unknown student 'nope'"):
+        student_plan(cfg, "nope")
 
 
 def _student(name, cider, params=100, version="1"):

@@ -15,10 +15,9 @@ def machine_info(**extra: object) -> dict:
     import numpy as np
     import torch
 
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count()
+    from captioning.util import usable_cpus
+
+    usable = usable_cpus()
     return {"python": platform.python_version(), "platform": platform.platform(),
             "processor": _cpu_model() or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "cpus_usable": usable, "numpy": np.__version__, "torch": torch.__version__,

@@ -18,6 +18,7 @@ from captioning.config import PipelineConfig
 from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, read_karpathy
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.data.text import Vocabulary, build_vocabulary
+from captioning.util import usable_cpus
 from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def ingest(cfg: PipelineConfig, progress: bool = False) -> Dataset:
         ann, images = Path(d.annotations), (Path(d.images) if d.images else None)
     ds = read_karpathy(
         ann, images, max_words=d.max_words, restval_split=d.restval_split, image_check=d.image_check,
-        max_reject_fraction=d.max_reject_fraction, hash_workers=d.hash_workers,
+        max_reject_fraction=d.max_reject_fraction, hash_workers=d.hash_workers or min(4, usable_cpus()),
         hash_cache=Workdir.of(cfg).file_hashes(), progress=progress,
     )
     counts = {s: len(ds.split(s)) for s in ("train", "val", "test")}

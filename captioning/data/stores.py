@@ -35,6 +35,8 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
+from captioning.util import usable_cpus
+
 FEATURE_SCHEMA = "capflow-features/1"
 LABEL_SCHEMA = "capflow-labels/1"
 PENDING, OK, REJECTED = 0, 1, 2
@@ -363,7 +365,7 @@ class _ChunkedStore:
                 runs[-1].append(k)
             else:
                 runs.append([k])
-        workers = threads or min(4, os.cpu_count() or 1)
+        workers = threads or min(4, usable_cpus())
         fresh: dict[int, np.ndarray] = {}
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="capflow-verify") as pool:
             for results in pool.map(self._compute, runs):

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from captioning import stopping
 from captioning.data.loader import Batch
+from captioning.util import usable_cpus
 
 HOST = "127.0.0.1"
 
@@ -102,8 +103,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None =
         raise ValueError(f"{nproc} processes need {nproc} CUDA devices, {torch.cuda.device_count()} visible")
     backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
     if threads is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cpus // nproc)
+        threads = max(1, usable_cpus() // nproc)
     # the rendezvous store lives here, on a socket bound to the loopback address (the store owns and closes it)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
@@ -156,8 +156,7 @@ def init_from_env(device: str | torch.device = "cpu", backend: str | None = None
     dev_type = torch.device(device).type
     backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
     if threads is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cpus // local_world)
+        threads = max(1, usable_cpus() // local_world)
     torch.set_num_threads(threads)
     if dev_type == "cuda":
         torch.cuda.set_device(local_rank)

@@ -49,6 +49,32 @@ def preset_name(name: str) -> str:
                      f"({', '.join(sorted(PRESETS))})")
 
 
+@dataclass(frozen=True)
+class StudentPlan:
+    """What the recipe makes of one student name, decided here once: its registry preset, the captions it trains
+    on (the teacher's SeqKD captions or the ground truth), whether it starts from the teacher's weights, and its
+    own SCST section (its ``epochs_for`` entry applied). The pipeline's student job, ``capflow train`` and the
+    stage keys all read it."""
+
+    name: str
+    preset: str
+    captions: str  # "seqkd" | "ground_truth"
+    init_from_teacher: bool
+    scst: SCSTConfig
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.captions == "seqkd" or self.init_from_teacher
+
+
+def student_plan(cfg: PipelineConfig, name: str) -> StudentPlan:
+    """The plan of student ``name`` (a family or a registry preset; unknown names raise ValueError)."""
+    st = cfg.students
+    return StudentPlan(name=name, preset=preset_name(name),
+                       captions="seqkd" if name in st.seqkd_for else "ground_truth",
+                       init_from_teacher=name in st.teacher_init_for, scst=st.scst.for_student(name))
+
+
 def max_tokens(cfg: ArchConfig | Captioner, max_words: int, codec: RadixCodec | None) -> int:
     """Output tokens a caption of ``max_words`` words needs, EOS included (radix: ``digits`` per word)."""
     a = cfg.cfg if isinstance(cfg, Captioner) else cfg

@@ -39,6 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cached = [k for k, v in res["stages"].items() if v == "cached"]
     if cached:
         print(f"cached stages: {', '.join(cached)}")
+    print("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in res["seconds"].items()))
     print(f"MLflow run {res['mlflow_run_id']} in {res['tracking_uri']}")
     if res["tracking_uri"].startswith("sqlite:"):
         print(f"  look next: mlflow ui --backend-store-uri {res['tracking_uri']} --host 127.0.0.1 --port 5000")

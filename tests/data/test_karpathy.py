@@ -670,3 +670,29 @@ def test_load_rejects_other_json(tmp_path: Path) -> None:
     p = write_doc(tmp_path, {"images": []})
     with pytest.raises(DatasetError, match="not a normalised capflow dataset"):
         Dataset.load(p)
+
+
+def test_ingest_hashes_on_at_most_the_usable_cpus_by_default(tmp_path, monkeypatch):
+    """dataset.hash_workers unset: the usable CPUs, at most 4 (more threads than cores only contend on small
+    files); set: exactly that."""
+    from captioning.config import load_config
+    from captioning.data import prepare
+
+    seen = []
+
+    def fake_read(*a, **kw):
+        seen.append(kw["hash_workers"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(prepare, "read_karpathy", fake_read)
+    monkeypatch.setattr(prepare, "synthetic_dataset", lambda cfg, progress: (tmp_path / "a.json", tmp_path))
+    cfg = load_config("tiny", overrides=[f"run.workdir={tmp_path}"])
+    assert cfg.dataset.hash_workers is None
+    for cpus, expected in ((2, 2), (1, 1), (16, 4)):
+        monkeypatch.setattr(prepare, "usable_cpus", lambda c=cpus: c)
+        with pytest.raises(RuntimeError, match="stop here"):
+            prepare.ingest(cfg)
+        assert seen[-1] == expected
+    with pytest.raises(RuntimeError, match="stop here"):
+        prepare.ingest(load_config("tiny", overrides=[f"run.workdir={tmp_path}", "dataset.hash_workers=3"]))
+    assert seen[-1] == 3
