@@ -86,7 +86,7 @@ def test_config_keys_and_presets(capsys) -> None:
     assert 'run.workdir = ".capflow"' in lines
     assert "dataset.annotations = null" in lines
     rc, out, _ = run(capsys, "config", "presets")
-    assert rc == 0 and out.split() == ["coco", "demo", "learning", "tiny"]
+    assert rc == 0 and out.split() == ["coco", "coco-dry", "demo", "learning", "tiny"]
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from captioning.config import (
     preset_names,
 )
 
-PRESETS = ["coco", "demo", "learning", "tiny"]
+PRESETS = ["coco", "coco-dry", "demo", "learning", "tiny"]
 
 
 def get(cfg: BaseModel, dotted: str) -> Any:
@@ -284,7 +284,7 @@ def test_override_through_a_value_is_an_error() -> None:
 
 
 def test_loading_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown preset 'huge'; available: coco, demo, learning, tiny"):
+    with pytest.raises(ConfigError, match="unknown preset 'huge'; available: coco, coco-dry, demo, learning, tiny"):
         load_config("huge")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(path=tmp_path / "missing.yaml")
