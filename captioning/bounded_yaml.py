@@ -21,12 +21,14 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from captioning.errors import InputError
+
 MAX_ALIASES = 100
 MAX_NODES = 100_000
 MAX_DEPTH = 64
 
 
-class YAMLLimitError(ValueError):
+class YAMLLimitError(InputError, ValueError):
     """A YAML document crosses a bound (aliases, expanded size, depth): the message names where."""
 
 

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from captioning.config import FeaturesConfig
 from captioning.data.loader import MemoryFeatures
 from captioning.data.text import Vocabulary
+from captioning.errors import InputError
 from captioning.features.extractor import Regions, make_extractor
 from captioning.features.images import ImageRejected, load_rgb
 from captioning.metrics.evaluation import predict
@@ -50,7 +51,7 @@ from captioning.util import resolve_device
 log = logging.getLogger(__name__)
 
 
-class CaptionerError(ValueError):
+class CaptionerError(InputError, ValueError):
     """The model cannot caption images: missing/invalid model files, a non-detector model, a dimension
     mismatch between the extractor and the model. The message says which file or setting and what to do."""
 

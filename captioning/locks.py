@@ -29,11 +29,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from captioning.errors import InfrastructureError
+
 log = logging.getLogger(__name__)
 LOCK_NAME = "capflow.lock"
 
 
-class WorkdirBusy(RuntimeError):
+class WorkdirBusy(InfrastructureError, RuntimeError):
     """Another process holds the workdir's lock (a second run would do every stage twice)."""
 
 

@@ -24,13 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from captioning.errors import InputError
+
 try:  # numpy >= 2 ("numpy.core" is a deprecated alias there)
     from numpy._core import multiarray as _multiarray
 except ImportError:  # pragma: no cover - numpy 1.x
     from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]
 
 
-class UnsafePickleError(pickle.UnpicklingError, ValueError):
+class UnsafePickleError(InputError, pickle.UnpicklingError, ValueError):
     """A pickle asked for something a weights file has no business with (or is not a weights file at all)."""
 
 

@@ -13,6 +13,8 @@ from typing import IO
 
 import torch
 
+from captioning.errors import InfrastructureError
+
 
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask: a container's or ``taskset``'s limit), at least 1."""
@@ -40,7 +42,7 @@ def resolve_device(spec: str, what: str = "device") -> torch.device:
     return dev
 
 
-class DiskFull(OSError):
+class DiskFull(InfrastructureError, OSError):
     """No space left on the device while writing a file: the message names the file and the free space."""
 
     def __str__(self) -> str:

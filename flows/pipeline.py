@@ -30,6 +30,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from captioning.config import PipelineConfig, load_config
+from captioning.errors import InfrastructureError
 from tasks.common import RunContext
 from tasks.data import extract_task, ingest_task, vocab_task
 from tasks.fanout import student_cluster, student_remote_task
@@ -257,7 +258,7 @@ class _PopenOverride:
         return getattr(self.module, name)
 
 
-class PrefectUnavailable(RuntimeError):
+class PrefectUnavailable(InfrastructureError, RuntimeError):
     """Prefect's temporary API server did not start."""
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from captioning.errors import InputError
+
 log = logging.getLogger("capflow.stack")
 
 HOST = "127.0.0.1"
@@ -40,7 +42,7 @@ WORK_POOL = "capflow"
 ORDER = ("s3", "mlflow", "prefect", "worker")
 
 
-class StackError(RuntimeError):
+class StackError(InputError, RuntimeError):
     pass
 
 

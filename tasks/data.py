@@ -20,6 +20,7 @@ from captioning.data.karpathy import Dataset
 from captioning.data.prepare import ingest as read_dataset
 from captioning.data.prepare import vocab_and_labels
 from captioning.data.stores import FeatureStore, LabelStore
+from captioning.errors import InputError
 from tasks.cache import stage_key
 from tasks.common import RunContext, log
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef
@@ -28,7 +29,7 @@ from tasks.verify import features_intact
 RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
 
 
-class MissingStageError(RuntimeError):
+class MissingStageError(InputError, RuntimeError):
     """A single-stage command needs the output of a stage that has not run for this workdir."""
 
 

@@ -32,6 +32,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from captioning.config import PipelineConfig
+from captioning.errors import InfrastructureError
 from captioning.util import usable_cpus
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 
@@ -41,7 +42,7 @@ R = TypeVar("R")
 PATH_FIELDS = frozenset({"path", "rejects_path", "uri", "vocab_path", "labels_uri", "features_uri", "checkpoint"})
 
 
-class SchedulerUnavailable(RuntimeError):
+class SchedulerUnavailable(InfrastructureError, RuntimeError):
     """The Dask scheduler named by ``students.dask_address`` cannot be reached."""
 
 

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
+from captioning.errors import InputError
 from captioning.training.checkpoint import META_FILE, MODEL_FILE, VOCAB_FILE
 from tasks.mlflow_models import capflow_folder
 
@@ -28,7 +29,7 @@ DEFAULT_MODEL = "models:/capflow-captioner@champion"
 MODEL_FILES = (MODEL_FILE, VOCAB_FILE, META_FILE)
 
 
-class ModelResolveError(RuntimeError):
+class ModelResolveError(InputError, RuntimeError):
     """A model reference that does not lead to a model folder: says what was asked, where, and what to do."""
 
     def __init__(self, message: str):

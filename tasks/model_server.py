@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from captioning.errors import InfrastructureError
 
-class ServerError(RuntimeError):
+
+class ServerError(InfrastructureError, RuntimeError):
     """The model server did not start (its log's tail is in the message)."""
 
 

@@ -42,6 +42,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunT
 from mlflow.exceptions import MlflowException
 
 from captioning.config import PipelineConfig
+from captioning.errors import InfrastructureError
 from captioning.redact import SECRET_KEY, redact, redact_obj
 from captioning.workdir import Workdir
 
@@ -62,7 +63,7 @@ OWNER_HOST, OWNER_PID, OWNER_START = "capflow.owner.host", "capflow.owner.pid", 
 PREFLIGHT_DELAYS = (1.0, 2.0, 4.0, 8.0)  # waits between reachability attempts: ~15 s, plus connect timeouts
 
 
-class TrackingUnavailable(RuntimeError):
+class TrackingUnavailable(InfrastructureError, RuntimeError):
     """The tracking server cannot be reached (raised before any stage runs)."""
 
 

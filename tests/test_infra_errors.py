@@ -150,3 +150,48 @@ def test_describe_names_the_tracking_server_and_a_full_disk_without_a_file_name(
     assert describe(full, "extract", "the feature store folder /data/f").startswith(
         "no space left on device writing the feature store folder /data/f")
     assert describe(ValueError("bad input"), "run") is None  # not the environment: not described here
+
+
+def test_each_kind_of_capflow_error_ends_with_its_exit_status(monkeypatch, capsys):
+    """captioning.errors: refused input -> exit 2, a failed environment -> exit 3, any other CapflowError -> exit 1;
+    each with its message on one line and no traceback. Anything else is a bug and propagates."""
+    import flows.cli.workdir as workdir_cli
+    from captioning.errors import CapflowError, InfrastructureError, InputError
+    from flows.cli import main
+
+    for exc, code in ((InputError("the file x is not a dataset"), 2),
+                      (InfrastructureError("the server y does not answer"), 3),
+                      (CapflowError("model z produced non-finite numbers"), 1)):
+        def boom(args, e=exc):
+            raise e
+        monkeypatch.setattr(workdir_cli, "cmd_config", boom)
+        assert main(["config", "keys"]) == code
+        err = capsys.readouterr().err
+        assert err == f"capflow config: error: {exc}\n", err
+    monkeypatch.setattr(workdir_cli, "cmd_config", lambda args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["config", "keys"])
+
+
+def test_every_error_class_of_capflow_has_the_common_base():
+    """Every exception class the three packages define derives from CapflowError, except the named internal
+    signals that never reach the user."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from captioning.errors import CapflowError
+
+    internal = {"Stopped", "RecordMismatch", "Rejected", "_StreamOutOfStep", "ImageRejected"}
+    missing = []
+    for pkg in ("captioning", "tasks", "flows"):
+        root = importlib.import_module(pkg)
+        for info in pkgutil.walk_packages(root.__path__, f"{pkg}."):
+            if info.name.endswith("__main__"):
+                continue
+            mod = importlib.import_module(info.name)
+            for name, obj in vars(mod).items():
+                if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == mod.__name__
+                        and not issubclass(obj, CapflowError) and name not in internal):
+                    missing.append(f"{mod.__name__}.{name}")
+    assert missing == []

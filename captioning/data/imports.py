@@ -52,6 +52,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from captioning.data.stores import OK, REJECTED, FeatureStore
+from captioning.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ TSV_OPTIONAL = {"objects_id": ("object_id", "<i8"), "objects_conf": ("object_con
 LMDB_INTERNAL = re.compile(rb"__\w+__")  # lmdbdict's own entries (pickles: never read)
 
 
-class FeatureImportError(ValueError):
+class FeatureImportError(InputError, ValueError):
     """The source cannot be read at all (missing, not the format, unreadable container) or the options do not fit
     it; the message is one line."""
 

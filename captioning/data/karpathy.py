@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
 
 from captioning.data.text import tokenize
+from captioning.errors import InputError
 from captioning.jsonio import iter_array_field
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ IMAGE_FORMATS = {"JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF", "MPO"}
 FORMAT_VERSION = "capflow-dataset/1"
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError, ValueError):
     """The annotation file itself is malformed, or too many entries are bad."""
 
 

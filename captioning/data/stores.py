@@ -35,6 +35,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
+from captioning.errors import InputError
 from captioning.util import usable_cpus
 
 FEATURE_SCHEMA = "capflow-features/1"
@@ -48,7 +49,7 @@ DIGEST_BYTES = 16
 log = logging.getLogger(__name__)
 
 
-class StoreError(ValueError):
+class StoreError(InputError, ValueError):
     """A store is missing, has the wrong schema, or a write breaks the store's contract."""
 
 

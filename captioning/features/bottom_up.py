@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioning.config import BottomUpOptions
+from captioning.errors import InputError
 from captioning.features.selection import nms_max_conf_batched
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ REFERENCE: dict[str, dict[str, Any]] = {
 }
 
 
-class LayoutError(ValueError):
+class LayoutError(InputError, ValueError):
     """A checkpoint that is not exactly one known bottom-up layout (names the tensors at fault)."""
 
 

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from captioning.config import ExtractorConfig
+from captioning.errors import CapflowError
 from captioning.features.selection import (
     nms_max_conf_batched,
     nms_max_conf_batched_torch,
@@ -88,7 +89,7 @@ PAD_QUANTUM = 32  # padded batching: the long side of the canvas is a multiple o
 _PRE_NMS_FLOOR = 6000  # detectron2's default RPN.PRE_NMS_TOPK_TEST for C4 models
 
 
-class ExtractionError(RuntimeError):
+class ExtractionError(CapflowError, RuntimeError):
     """The detector produced unusable numbers (NaN/inf) for an image; ``index`` is its position in the call."""
 
     def __init__(self, message: str, index: int):

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from captioning.errors import InputError
 from captioning.jsonio import read_json
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ _LINE_BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u202
 _MAX_NAMED = 10  # ids named in one error message
 
 
-class EvaluationInputError(ValueError):
+class EvaluationInputError(InputError, ValueError):
     """A references or results file (or mapping) that cannot be scored; the message says where and why."""
 
 

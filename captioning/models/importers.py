@@ -131,6 +131,7 @@ from typing import Any
 
 import torch
 
+from captioning.errors import InputError
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.layers import sinusoid_table
 from captioning.models.registry import preset, released
@@ -148,7 +149,7 @@ ZODIAC_GATES = ("sigmoid", "tanh")  # the released --caption_model zodiac-sigmoi
 _NEVER = -1e9  # generator bias of classes the released model cannot emit
 
 
-class ImportCheckpointError(ValueError):
+class ImportCheckpointError(InputError, ValueError):
     """A checkpoint that cannot be imported; the message names the keys or the reason."""
 
 

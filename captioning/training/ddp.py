@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from captioning import stopping
 from captioning.data.loader import Batch
+from captioning.errors import CapflowError
 from captioning.util import usable_cpus
 
 HOST = "127.0.0.1"
@@ -38,7 +39,7 @@ HOST = "127.0.0.1"
 _RANK_DEVICE: torch.device | None = None  # set by launch() in each spawned process
 
 
-class RankFailed(RuntimeError):
+class RankFailed(CapflowError, RuntimeError):
     """A rank of :func:`launch` failed with an exception that could not be re-raised as itself."""
 
     def __init__(self, message: str, rank: int | None = None):

@@ -20,7 +20,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from captioning.config import ConfigError, load_config
+from captioning.config import load_config
 from flows.cli.common import CLIError, config_args, parse_students, pipeline_args
 from flows.cli.failures import INFRA_EXIT
 
@@ -55,20 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     func: Callable[[argparse.Namespace], int] = args.func
-    from captioning.data.karpathy import DatasetError
-    from captioning.data.stores import StoreError
-    from captioning.safe_pickle import UnsafePickleError
+    from captioning.errors import CapflowError, InputError
     from flows import shutdown
     from flows.cli.common import workdir_lock
-    from flows.stack import StackError
-    from tasks.data import MissingStageError
 
     try:
         # SIGTERM/SIGINT stop every stage (any thread) within a grace period; one run per workdir: a second
         # writer stops here, naming the holder
         with shutdown.graceful(), workdir_lock(args):
             return func(args)
-    except (ConfigError, DatasetError, StoreError, StackError, CLIError, UnsafePickleError, MissingStageError) as e:
+    except InputError as e:  # refused input (captioning.errors): the message, exit 2
         from captioning.redact import redact
 
         print(f"capflow {args.command}: error: {redact(e)}", file=sys.stderr)
@@ -78,7 +74,16 @@ def main(argv: list[str] | None = None) -> int:
 
         msg = describe(e, args.command, _writing(args))
         if msg is None:
-            raise
+            if not isinstance(e, CapflowError):
+                raise
+            from captioning.redact import redact
+
+            if args.verbose:
+                import traceback
+
+                traceback.print_exc()
+            print(f"capflow {args.command}: error: {redact(e)}", file=sys.stderr)
+            return 1
         if args.verbose:
             import traceback
 

@@ -10,9 +10,10 @@ import json
 from typing import Any
 
 from captioning.config import PipelineConfig, load_config, preset_names
+from captioning.errors import InputError
 
 
-class CLIError(Exception):
+class CLIError(InputError):
     """A user-facing error: printed without a traceback, exit status 2."""
 
 

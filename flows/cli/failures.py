@@ -53,13 +53,12 @@ def _s3_endpoint(e: BaseException) -> str:
 def describe(exc: BaseException, command: str = "", where: str = "") -> str | None:
     """The one-line account of an infrastructure failure anywhere in ``exc``'s chain, None for other errors.
     ``where`` names what the command was writing (a workdir, a store) for errors that do not name a file."""
+    from captioning.errors import InfrastructureError
     from captioning.locks import WorkdirBusy
     from captioning.util import DiskFull, disk_full_message
 
     for e in chain(exc):
-        if isinstance(e, WorkdirBusy):
-            return str(e)
-        if isinstance(e, DiskFull):
+        if isinstance(e, WorkdirBusy | DiskFull):
             return str(e)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             target = e.filename or where
@@ -69,7 +68,7 @@ def describe(exc: BaseException, command: str = "", where: str = "") -> str | No
             return (f"the S3 endpoint {_s3_endpoint(e)} does not answer ({name}: {_one_line(e, 160)}): start it "
                     "(capflow stack up) or fix AWS_ENDPOINT_URL, then run the same command again - finished chunks "
                     "are kept")
-        if name in ("TrackingUnavailable", "PrefectUnavailable", "SchedulerUnavailable"):
+        if isinstance(e, InfrastructureError):  # the tracking server, Prefect, a Dask scheduler, a model server
             return _one_line(e, 1000)
     for e in chain(exc):  # MLflow calls that failed after capflow's retries (tasks.tracking.retry)
         if isinstance(e, RuntimeError) and str(e).startswith("MLflow ") and " failed: " in str(e):
