@@ -194,12 +194,12 @@ class ExtractorConfig(Section):
         None, description="Run the box-selection scan on the CUDA device instead of the host (unset: host, "
         "measured faster end to end); the same boxes either way"
     )
-    loader_threads: int | None = Field(
+    decode_threads: int | None = Field(
         None, ge=0, description="Threads decoding/resizing the next images while the model runs; unset = 4 on "
         "CUDA, 0 (inline) on CPU. Never changes the numbers",
     )
-    loader_processes: int = Field(
-        0, ge=0, description="Processes decoding/resizing the next images instead of loader_threads (threads share "
+    decode_processes: int = Field(
+        0, ge=0, description="Processes decoding/resizing the next images instead of decode_threads (threads share "
         "the extracting process's interpreter lock; off by default: no gain measured, see docs/benchmarks.md). "
         "Never changes the numbers",
     )
@@ -209,7 +209,7 @@ class ExtractorConfig(Section):
     )
     device: str = Field("auto", description="Extraction device: auto (CUDA when present), cpu, cuda, cuda:N")
     seed: int = Field(0, description="Seed of the random detector weights used when no weights are given")
-    threads: int = Field(
+    torch_threads: int = Field(
         1, ge=1, description="CPU threads per model (per Dask worker); CPU results are bit-identical per value"
     )
     fixed_boxes: int | None = Field(None, ge=1, le=10_000,
@@ -236,7 +236,7 @@ class FeaturesConfig(Section):
     compressor: Literal["none", "lz4", "zstd"] = Field(
         "lz4", description="Blosc codec for features (byte-shuffled); none = raw"
     )
-    workers: int = Field(2, ge=1, le=4096, description="Dask worker processes for extraction (LocalCluster)")
+    dask_workers: int = Field(2, ge=1, le=4096, description="Dask worker processes for extraction (LocalCluster)")
     dask_address: str | None = Field(None, description="Dask scheduler address; unset = LocalCluster on 127.0.0.1")
     extractor: ExtractorConfig = Field(default_factory=ExtractorConfig, description="Detector settings")
 
@@ -250,7 +250,7 @@ class LoaderConfig(Section):
     batch_size: int = Field(10, ge=1, le=1_000_000, description="Images per training batch")
     captions_per_image: int = Field(5, ge=1, le=1000, description="Captions drawn per image in a batch")
     shuffle_buffer: int = Field(256, ge=1, le=100_000_000, description="Images held in the shuffle buffer")
-    workers: int = Field(0, ge=0, description="DataLoader worker processes (0 = in the main process)")
+    dataloader_workers: int = Field(0, ge=0, description="DataLoader worker processes (0 = in the main process)")
     standardize_features: bool = Field(
         True, description="Standardise region features per dimension with the training split's statistics, stored "
         "in every trained model (the teacher's and students' ArchConfig.standardize_features)")
@@ -322,12 +322,13 @@ class StudentsConfig(Section):
     )
     size: str = Field("base", description="Size variant of each family's registry preset")
     nproc: int = Field(1, ge=1, description="Data-parallel training processes per student (XE and SCST; torch DDP)")
-    workers: int = Field(0, ge=0, description="Dask worker processes that train students in parallel, one student "
-                         "per worker (a LocalCluster on 127.0.0.1, at most one per GPU); 0 = in the flow's process")
+    dask_workers: int = Field(0, ge=0, description="Dask worker processes that train students in parallel, one "
+                              "student per worker (a LocalCluster on 127.0.0.1, at most one per GPU); 0 = in the "
+                              "flow's process")
     dask_address: str | None = Field(None, description="Dask scheduler (tcp://host:port) whose workers train the "
-                                     "students; unset = a LocalCluster of students.workers processes")
-    threads: int | None = Field(None, ge=1, description="Torch threads per student process on a cluster (default: "
-                                "usable CPUs // students.workers)")
+                                     "students; unset = a LocalCluster of students.dask_workers processes")
+    torch_threads: int | None = Field(None, ge=1, description="Torch threads per student process on a cluster "
+                                      "(default: usable CPUs // students.dask_workers)")
     seqkd_beam: int = Field(5, ge=1, le=1000, description="Beam size of the teacher when generating SeqKD captions")
     seqkd_for: list[str] = Field(
         default_factory=lambda: ["satic"], description="Students trained on the teacher's SeqKD captions"
@@ -418,6 +419,54 @@ def json_digest(data: Any) -> str:
 
 # ------------------------------------------------------------------------- loading
 PRESET_PACKAGE = "captioning.presets"
+
+#: renamed keys, old -> new: the old name is still read (with a warning) until the next release. One word, one
+#: meaning: ``dask_workers`` are Dask worker processes, ``dataloader_workers`` DataLoader processes,
+#: ``torch_threads`` torch's threads, ``decode_threads``/``decode_processes`` the image decoders.
+RENAMED: dict[str, str] = {
+    "features.workers": "features.dask_workers",
+    "features.extractor.threads": "features.extractor.torch_threads",
+    "features.extractor.loader_threads": "features.extractor.decode_threads",
+    "features.extractor.loader_processes": "features.extractor.decode_processes",
+    "loader.workers": "loader.dataloader_workers",
+    "students.workers": "students.dask_workers",
+    "students.threads": "students.torch_threads",
+}
+
+
+def _renamed_path(keys: list[str], item: str) -> list[str]:
+    """An override's key path under its current name (an old name warns)."""
+    for old, new in RENAMED.items():
+        o = old.split(".")
+        if keys[: len(o)] == o:
+            _warn_renamed(f"override {item!r}", old, new)
+            return new.split(".") + keys[len(o):]
+    return keys
+
+
+def _warn_renamed(origin: str, old: str, new: str) -> None:
+    import warnings
+
+    warnings.warn(f"{origin}: the setting {old} is now called {new}; the old name is read until the next release",
+                  FutureWarning, stacklevel=4)
+
+
+def _renamed(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """``data`` with every old key of :data:`RENAMED` moved to its new name, each with a FutureWarning; both
+    names given is an error."""
+    for old, new in RENAMED.items():
+        *path, last = old.split(".")
+        node: Any = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            continue
+        new_last = new.rsplit(".", 1)[1]  # every rename stays in its section
+        if new_last in node:
+            raise ConfigError(f"{origin}: {old} is the old name of {new}: give {new} only")
+        node[new_last] = node.pop(last)
+        _warn_renamed(origin, old, new)
+    return data
 
 
 def preset_names() -> list[str]:
@@ -516,9 +565,10 @@ def load_config(
         except OSError as e:
             raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
         data, origin = _read_yaml(text, str(p)), str(p)
+    data = _renamed(data, origin)
     for item in overrides:
         keys, value = parse_override(item)
-        _set_path(data, keys, value, item)
+        _set_path(data, _renamed_path(keys, item), value, item)
     if overrides:
         origin += " + overrides"
     try:

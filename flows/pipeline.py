@@ -105,7 +105,7 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
 
 def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) -> dict[str, Any]:
     tracker = Tracker(cfg)  # fails fast (before any stage) when the tracking server is unreachable
-    # the students' Dask cluster (students.workers / students.dask_address) before any stage: an unreachable
+    # the students' Dask cluster (students.dask_workers / students.dask_address) before any stage: an unreachable
     # scheduler stops the run here
     with student_cluster(cfg) as client, RunContext.tracked(
             cfg, tracker, "pipeline", {"prefect.flow_run_id": flow_run_id},

@@ -1,12 +1,12 @@
 """Students fanned out over a Dask cluster: one student (XE -> SCST -> evaluation -> model version) per task, each
 in its own worker process.
 
-``students.workers`` > 0 starts a LocalCluster of that many processes on 127.0.0.1 (one GPU each when the
+``students.dask_workers`` > 0 starts a LocalCluster of that many processes on 127.0.0.1 (one GPU each when the
 machine has GPUs, Dask resource ``GPU=1``); ``students.dask_address`` uses a running scheduler instead. A worker
 runs the same job as the flow's own process (:func:`tasks.training.student`) with a tracker of its own and the
 parent MLflow run id passed explicitly (never the thread-local active run), so the MLflow tree is the one a
 sequential run makes. A student's result does not depend on how many run at once: every worker process uses
-``students.threads`` torch threads (default: usable CPUs // workers, the same in a sequential run with one
+``students.torch_threads`` torch threads (default: usable CPUs // workers, the same in a sequential run with one
 worker) and seeds itself. A worker that dies mid-student is replaced by Dask and the task runs again, resuming
 from the student's last epoch checkpoint in its stage folder.
 
@@ -47,14 +47,14 @@ class SchedulerUnavailable(InfrastructureError, RuntimeError):
 
 
 def uses_cluster(cfg: PipelineConfig) -> bool:
-    return bool(cfg.students.dask_address) or cfg.students.workers > 0
+    return bool(cfg.students.dask_address) or cfg.students.dask_workers > 0
 
 
 def student_threads(cfg: PipelineConfig) -> int:
     """Torch threads of one student's process (the same whatever the number of students running at once)."""
-    if cfg.students.threads:
-        return cfg.students.threads
-    return max(1, usable_cpus() // max(1, cfg.students.workers))
+    if cfg.students.torch_threads:
+        return cfg.students.torch_threads
+    return max(1, usable_cpus() // max(1, cfg.students.dask_workers))
 
 
 @contextlib.contextmanager
@@ -76,12 +76,12 @@ def student_cluster(cfg: PipelineConfig) -> Iterator[Any]:
                 raise SchedulerUnavailable(
                     f"students.dask_address {cfg.students.dask_address} is unreachable ({type(e).__name__}: {e}); "
                     "start the scheduler and its workers, or unset it to train on a local cluster "
-                    "(students.workers)") from None
+                    "(students.dask_workers)") from None
             cluster = None
         else:
             from captioning.features.parallel import local_cluster
 
-            cluster = local_cluster(cfg.students.workers)
+            cluster = local_cluster(cfg.students.dask_workers)
             client = Client(cluster)
         try:
             yield client

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -157,11 +158,11 @@ def test_unknown_key_in_override(item: str) -> None:
 
 def test_several_errors_are_all_named() -> None:
     with pytest.raises(ConfigError) as ei:
-        load_config(overrides=["run.nme=a", "vocab.min_count=zero", "loader.workers=-1"])
+        load_config(overrides=["run.nme=a", "vocab.min_count=zero", "loader.dataloader_workers=-1"])
     msg = str(ei.value)
     assert "unknown key 'run.nme'" in msg
     assert "'vocab.min_count'" in msg and "zero" in msg
-    assert "'loader.workers'" in msg
+    assert "'loader.dataloader_workers'" in msg
 
 
 @pytest.mark.parametrize(
@@ -364,3 +365,36 @@ def test_scst_epochs_for_names_students_and_overrides_epochs_for_them_only():
         load_config("demo", overrides=["students.scst.epochs_for.expnet=3"])
     with pytest.raises(ConfigError, match="lw: SCST epochs must be >= 1, got 0"):
         load_config("demo", overrides=["students.scst.epochs_for.lw=0"])
+
+
+def test_renamed_keys_are_read_with_a_warning(tmp_path: Path) -> None:
+    """One word, one meaning: the old names (``features.workers``, ``students.threads``, ...) still load - in a
+    file and as overrides, an override beating the preset's new name - each with a FutureWarning naming the new
+    key; a file giving both names is refused."""
+    from captioning.config import RENAMED
+
+    for old, new in RENAMED.items():
+        value = 3
+        with pytest.warns(FutureWarning, match=rf"{re.escape(old)} is now called {re.escape(new)}"):
+            cfg = load_config("tiny", overrides=[f"{old}={value}"])
+        assert get(cfg, new) == value
+        *path, last = old.split(".")
+        doc: dict[str, Any] = {}
+        node = doc
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+        p = tmp_path / "old.yaml"
+        p.write_text(yaml.safe_dump(doc))
+        with pytest.warns(FutureWarning, match=re.escape(old)):
+            assert get(load_config(path=p), new) == value
+        node[new.rsplit(".", 1)[1]] = value
+        p.write_text(yaml.safe_dump(doc))
+        with pytest.raises(ConfigError, match=rf"{re.escape(old)} is the old name of {re.escape(new)}"):
+            load_config(path=p)
+    # the current names load without a warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("coco", overrides=["features.dask_workers=3", "students.torch_threads=2"])

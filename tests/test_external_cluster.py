@@ -7,7 +7,7 @@ environment and uses the tiny preset's relative `run.workdir`: the workers must 
 Results are those of the local path (extraction on a LocalCluster, students one after another in the flow's
 process), also when the worker training a student is SIGKILLed mid-task: its nanny starts a new worker process and
 the task runs again. The flows run with one torch thread (OMP_NUM_THREADS=1), the threads a student gets on a
-worker (`students.threads=1`) and a Dask worker's default, so the arithmetic is the same on both paths."""
+worker (`students.torch_threads=1`) and a Dask worker's default, so the arithmetic is the same on both paths."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def _flow_env(home: Path, **extra: str) -> dict[str, str]:
                       OMP_NUM_THREADS="1", **extra)
 
 
-RUN = ["run", "--preset", "tiny", "--students", STUDENTS, "--no-scst", "--set", "students.threads=1"]
+RUN = ["run", "--preset", "tiny", "--students", STUDENTS, "--no-scst", "--set", "students.torch_threads=1"]
 
 
 def _records(work: Path, stage: str, kind):
@@ -144,7 +144,7 @@ def test_capflow_on_an_external_cluster_equals_the_local_path_even_when_a_worker
     killed: list = []
     stop = threading.Event()
     try:
-        # the local path: extraction on a LocalCluster (tiny: features.workers=2), students in the flow's process
+        # the local path: extraction on a LocalCluster (tiny: features.dask_workers=2), students in the flow's process
         ref = _capflow(tmp_path / "local", _flow_env(tmp_path / "local-home"), *RUN)
         # capflow extract on the cluster, from yet another directory, while the run below uses the cluster too
         ext = _capflow(tmp_path / "extract", _flow_env(tmp_path / "extract-home"), "extract", "--preset", "tiny",

@@ -1,4 +1,4 @@
-"""Students fanned out over a Dask LocalCluster (students.workers): two students trained at once in two worker
+"""Students fanned out over a Dask LocalCluster (students.dask_workers): two students trained at once in two worker
 processes give the same metrics, weights and MLflow tree as a sequential run in the flow's own process."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def harness():
 
 def _overrides(work, *extra):
     return [f"run.workdir={work}", "features.source=synthetic-informative", "features.feature_dim=16",
-            "features.max_boxes=10", "features.min_boxes=1", "students.threads=1", *extra]
+            "features.max_boxes=10", "features.min_boxes=1", "students.torch_threads=1", *extra]
 
 
 def _tree(res):
@@ -62,11 +62,11 @@ def _weights(res, work):
 def test_students_on_two_dask_workers_equal_a_sequential_run(harness, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     threads = torch.get_num_threads()
-    # the workers' setting (students.threads=1) in this process too: the teacher, trained here, is then the
+    # the workers' setting (students.torch_threads=1) in this process too: the teacher, trained here, is then the
     # same in both runs, and so is the arithmetic of the students trained here in the sequential run
     torch.set_num_threads(1)
     try:
-        par = pipeline(preset="tiny", overrides=_overrides(tmp_path / "par", "students.workers=2"),
+        par = pipeline(preset="tiny", overrides=_overrides(tmp_path / "par", "students.dask_workers=2"),
                        students=STUDENTS)
         seq = pipeline(preset="tiny", overrides=_overrides(tmp_path / "seq", "run.parallel_students=1"),
                        students=STUDENTS)
@@ -88,7 +88,8 @@ def test_students_on_two_dask_workers_equal_a_sequential_run(harness, tmp_path, 
     assert {"seqkd-captions", "teacher-checkpoint"} <= set(tree_par["satic-k4"]["inputs"])
 
     # a cached re-run on the cluster: nothing trains again
-    again = pipeline(preset="tiny", overrides=_overrides(tmp_path / "par", "students.workers=2"), students=STUDENTS)
+    again = pipeline(preset="tiny", overrides=_overrides(tmp_path / "par", "students.dask_workers=2"),
+                     students=STUDENTS)
     assert all(v == "cached" for v in again["stages"].values()), again["stages"]
     assert again["leaderboard"] == par["leaderboard"]
 
@@ -157,7 +158,7 @@ def test_a_sigkilled_student_worker_is_replaced_and_the_student_resumes(harness,
     t = threading.Thread(target=kill_the_worker_after_its_first_epoch, daemon=True)
     t.start()
     try:
-        res = pipeline(preset="tiny", overrides=_overrides(work, "students.workers=1", "students.xe.epochs=4"),
+        res = pipeline(preset="tiny", overrides=_overrides(work, "students.dask_workers=1", "students.xe.epochs=4"),
                        students=["lw"])
     finally:
         stop.set()

@@ -210,7 +210,7 @@ def _reference_run(cfg: PipelineConfig, ds, uri: str, images: int) -> tuple[floa
     from captioning.features.parallel import _open_chunk, _put, _write_chunk, plan_chunks, prepare_store
 
     f = cfg.features
-    ex = f.extractor.model_copy(update={"batching": "exact", "loader_threads": 0, "loader_processes": 0, "amp": False,
+    ex = f.extractor.model_copy(update={"batching": "exact", "decode_threads": 0, "decode_processes": 0, "amp": False,
                                         "channels_last": False})
     model = RegionExtractor(ex, min_boxes=f.min_boxes, max_boxes=f.max_boxes, feature_dim=f.feature_dim)
     sub = _subset(ds, images)
@@ -253,7 +253,7 @@ def _profile(cfg: PipelineConfig, ds, n: int, uri: str) -> dict:
     from captioning.features.images import load_rgb
 
     f = cfg.features
-    model = RegionExtractor(f.extractor.model_copy(update={"loader_threads": 0}), min_boxes=f.min_boxes,
+    model = RegionExtractor(f.extractor.model_copy(update={"decode_threads": 0}), min_boxes=f.min_boxes,
                             max_boxes=f.max_boxes, feature_dim=f.feature_dim)
     paths = [str(ds.image_path(e)) for e in ds.images[:n]]
     model([load_rgb(paths[0])])  # warm-up
@@ -341,13 +341,13 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
                          "batch_size": ex.batch_size, "precision": ex.amp_dtype if ex.amp else "fp32",
                          "selection_on_device": bool(ex.selection_on_device),
                          "channels_last": ex.channels_last is not False,
-                         "loader_processes": ex.loader_processes,
+                         "decode_processes": ex.decode_processes,
                          "images": res.extracted, "ok": res.ok, "seconds": s,
                          "images_per_second": res.extracted / s})
             return res.extracted / s
 
         variants = {"device-selection": {"selection_on_device": True},
-                    "loader-processes": {"loader_processes": 8},
+                    "decode-processes": {"decode_processes": 8},
                     "contiguous": {"channels_last": False},
                     "exact-fp32": {"batching": "exact", "amp": False},
                     "padded-bf16": {"batching": "padded", "amp": True, "amp_dtype": "bfloat16"},

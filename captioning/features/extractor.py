@@ -240,13 +240,13 @@ class RegionExtractor:
         self.min_boxes, self.max_boxes, self.feature_dim = min_boxes, max_boxes, feature_dim
         self.device = _torch_device(cfg.device)
         self.batching = cfg.batching
-        self.loader_threads = cfg.loader_threads if cfg.loader_threads is not None else (
+        self.decode_threads = cfg.decode_threads if cfg.decode_threads is not None else (
             4 if self.device.type == "cuda" else 0)
-        self.loader_processes = cfg.loader_processes
-        if self.loader_processes and multiprocessing.current_process().daemon:
-            self._warn("loader_processes: a daemonic process (e.g. a Dask worker with distributed.worker.daemon "
+        self.decode_processes = cfg.decode_processes
+        if self.decode_processes and multiprocessing.current_process().daemon:
+            self._warn("decode_processes: a daemonic process (e.g. a Dask worker with distributed.worker.daemon "
                        "true) cannot start children; decoding on loader threads instead")
-            self.loader_processes = 0
+            self.decode_processes = 0
         self._pool: ProcessPoolExecutor | None = None
         # channels-last convolutions: measured on an H100 (R101-C4, batch 16, 600x800), GPU time per image
         # backbone 2.3 -> 2.1 ms, ROI head 6.1 -> 4.4 ms in fp32, 70.4 -> 75.1 images/s end to end; float
@@ -472,7 +472,7 @@ class RegionExtractor:
     def _process_pool(self) -> ProcessPoolExecutor:
         """The loader processes (spawned on first use, kept for the extractor's life)."""
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.loader_processes, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.decode_processes, mp_context=multiprocessing.get_context("spawn"))
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         return self._pool
 
@@ -481,7 +481,7 @@ class RegionExtractor:
             self._warn(f"loader processes failed ({type(why).__name__}: {why}); decoding on loader threads from now on")
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        self.loader_processes = 0
+        self.decode_processes = 0
 
     def _model_input(self, t: torch.Tensor) -> torch.Tensor:
         """(h, w, 3) uint8 RGB -> (3, h, w) float32 in the model's channel order, where ``t`` is."""
@@ -691,12 +691,12 @@ class RegionExtractor:
         """Extract a stream of images: ``items`` yields ``(key, load)`` where ``load()`` returns the RGB array or
         raises (e.g. ``ImageRejected``); yields ``(key, Regions)`` or ``(key, exception)`` for every item, in
         completion order (:class:`captioning.features.stream.ExtractionStream`). ``threads`` decode/resize threads
-        run ahead of the model (default ``loader_threads``; ``loader_processes`` processes instead for picklable
+        run ahead of the model (default ``decode_threads``; ``decode_processes`` processes instead for picklable
         ``load`` callables; ``threads=0`` loads inline); batches form among up to ``window`` ready images (default
         4 x batch_size) by :meth:`_group_key`."""
         from captioning.features.stream import ExtractionStream
 
-        threads = self.loader_threads if threads is None else threads
+        threads = self.decode_threads if threads is None else threads
         return ExtractionStream(self, threads, window or 4 * self.cfg.batch_size).run(items)
 
     def __call__(self, images: list[np.ndarray]) -> list[Regions]:
@@ -768,7 +768,7 @@ class RegionExtractor:
             "amp_dtype": self.cfg.amp_dtype,
             "batching": self.batching,
             "channels_last": self.channels_last,
-            "loader_processes": self.loader_processes,
+            "decode_processes": self.decode_processes,
             "num_classes": self.num_classes,
             "min_boxes": self.min_boxes,
             "max_boxes": self.max_boxes,

@@ -46,10 +46,11 @@ def store_key(f: FeaturesConfig) -> str:
     ex = effective_config(f.extractor).model_dump(mode="json")
     ex.pop("device")  # where it runs does not name the store (recorded in its attributes instead)
     ex.pop("weights_sha256")
-    ex.pop("loader_threads")  # overlap only, never the numbers
-    ex.pop("loader_processes")
+    ex.pop("decode_threads")  # overlap only, never the numbers
+    ex.pop("decode_processes")
     ex.pop("channels_last")  # float rounding only, as the device (cuDNN picks kernels by layout and batch anyway)
     ex.pop("selection_on_device")  # where the (exact) selection scan runs
+    ex["threads"] = ex.pop("torch_threads")  # its name before the rename: existing stores keep their names
     # settings added later are named only when they change the numbers, so existing stores keep their names
     if ex["batching"] == "exact":
         ex.pop("batching")
@@ -444,7 +445,7 @@ def local_cluster(workers: int, threads_per_worker: int = 1, gpus: int | None = 
     # distributed sets MALLOC_TRIM_THRESHOLD_ in workers, which turns off glibc's adaptive mmap threshold: every
     # large torch tensor then costs an mmap/munmap and page faults (measured: CPU extraction ~30% slower).
     settings: dict[str, Any] = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
-    if gpus:  # a GPU worker starts its own decode processes (RegionExtractor's loader_processes): not daemonic
+    if gpus:  # a GPU worker starts its own decode processes (RegionExtractor's decode_processes): not daemonic
         settings["distributed.worker.daemon"] = False
     with dask.config.set(settings):
         return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
@@ -503,8 +504,8 @@ def extract_features(
     # every local path a chunk task reads is absolute: a worker of an external cluster has its own working directory
     ex = ex.model_copy(update={"weights": _absolute(ex.weights)}) if ex.weights else ex
     ex_json = ex.model_dump_json()
-    n_workers = f.workers if workers is None else workers
-    threads = threads_per_worker or f.extractor.threads
+    n_workers = f.dask_workers if workers is None else workers
+    threads = threads_per_worker or f.extractor.torch_threads
     args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, _absolute(str(Workdir.of(cfg).weights_cache())))
     todo = [(c, [(row, _absolute(path)) for row, path in items]) for c, items in todo]
     uri = _absolute(store.uri)

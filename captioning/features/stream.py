@@ -4,7 +4,7 @@
 ``(key, load)`` items. Three parts, each a few methods:
 
 - **loading**: ``threads`` decode/resize threads run ahead of the model - or, with the extractor's
-  ``loader_processes`` and picklable ``load`` callables, that many spawned processes (:func:`load_resized`), which
+  ``decode_processes`` and picklable ``load`` callables, that many spawned processes (:func:`load_resized`), which
   do not contend for this interpreter's lock. A loader process that dies, or a result that cannot travel back,
   sends its image and every later one through the threads instead: the same numbers either way.
 - **batching**: ready images wait in groups of the extractor's group key (same resized shape, or same padded
@@ -69,10 +69,10 @@ class ExtractionStream:
         self.ex = extractor
         self.threads = threads
         self.window = window
-        self.remote = bool(threads) and extractor.loader_processes > 0
+        self.remote = bool(threads) and extractor.decode_processes > 0
         self.checked = False  # a stream's callables are of one kind: checked for pickling once
         self.loaders = ThreadPoolExecutor(threads, thread_name_prefix="capflow-decode") if threads else None
-        self.lookahead = window + 2 * max(threads, extractor.loader_processes if self.remote else 0, 1)
+        self.lookahead = window + 2 * max(threads, extractor.decode_processes if self.remote else 0, 1)
         self.lanes = DEVICE_THREADS if extractor.device.type == "cuda" else 1
         self.device = ThreadPoolExecutor(self.lanes, thread_name_prefix="capflow-device")
         self.streams: dict[int, Any] = {}  # device thread -> its CUDA stream
@@ -87,7 +87,7 @@ class ExtractionStream:
 
     def _submit(self, key: Any, fn: Callable[[], np.ndarray]) -> tuple:
         ex = self.ex
-        self.remote = self.remote and ex.loader_processes > 0  # off for good once a loader process failed
+        self.remote = self.remote and ex.decode_processes > 0  # off for good once a loader process failed
         if self.remote:
             if not self.checked and not picklable(fn):
                 log.info("loader callables cannot be pickled (%s): decoding on loader threads", type(fn).__name__)

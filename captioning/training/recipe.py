@@ -128,16 +128,16 @@ def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None)
     lo = cfg.loader
     return TrainSettings(epochs=epochs or xe.epochs, batch_size=lo.batch_size, schedule="noam",
                          noam_factor=xe.noam_factor, warmup=xe.warmup, label_smoothing=xe.label_smoothing,
-                         clip=xe.clip, workers=lo.workers, seed=cfg.run.seed, precision=cfg.run.precision,
-                         compile=cfg.run.compile)
+                         clip=xe.clip, workers=lo.dataloader_workers, seed=cfg.run.seed,
+                         precision=cfg.run.precision, compile=cfg.run.compile)
 
 
 def scst_settings(scst: SCSTConfig, cfg: PipelineConfig, student: str | None = None) -> TrainSettings:
     """SCST's train settings; ``student`` (a family or registry preset) picks its ``epochs_for`` entry."""
     lo = cfg.loader
     return TrainSettings(epochs=scst.for_student(student).epochs, batch_size=scst.batch_size or lo.batch_size,
-                         schedule="constant", lr=scst.lr, clip=None, workers=lo.workers, seed=cfg.run.seed + 1,
-                         precision=cfg.run.precision,
+                         schedule="constant", lr=scst.lr, clip=None, workers=lo.dataloader_workers,
+                         seed=cfg.run.seed + 1, precision=cfg.run.precision,
                          compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else False)
 
 

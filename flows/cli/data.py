@@ -223,7 +223,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "are appended; other extractor settings or weights make a new store."))
     config_args(x)
     tracking_args(x)
-    x.add_argument("--workers", type=int, help="Dask worker processes (default features.workers; 0 = no Dask)")
+    x.add_argument("--workers", type=int, help="Dask worker processes (default features.dask_workers; 0 = no Dask)")
     x.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="continue the store of these settings (default); --no-resume deletes it and starts over")
     x.add_argument("--out", metavar="URI", help="store URI (default: <features.store>/<settings digest>.zarr)")

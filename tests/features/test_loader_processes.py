@@ -1,4 +1,4 @@
-"""Decoding in loader processes (``loader_processes``) and channels-last convolutions, on the CPU: the same
+"""Decoding in loader processes (``decode_processes``) and channels-last convolutions, on the CPU: the same
 regions as in-process decoding, rejected images with their reasons, a dying loader process, an unpicklable
 loader."""
 
@@ -57,8 +57,8 @@ def inline(paths):
 
 
 def test_loader_processes_give_the_same_regions_and_rejections(paths, inline):
-    model = RegionExtractor(_cfg(loader_processes=2, loader_threads=2))
-    assert model.loader_processes == 2 and model.describe()["loader_processes"] == 2
+    model = RegionExtractor(_cfg(decode_processes=2, decode_threads=2))
+    assert model.decode_processes == 2 and model.describe()["decode_processes"] == 2
     got = _collect(model, _items(paths))
     _equal(got, inline)
     assert isinstance(got[4], ImageRejected) and "unreadable image header" in str(got[4])
@@ -68,30 +68,30 @@ def test_loader_processes_give_the_same_regions_and_rejections(paths, inline):
 
 
 def test_a_dying_loader_process_falls_back_to_threads(paths, inline, caplog):
-    model = RegionExtractor(_cfg(loader_processes=2, loader_threads=2))
+    model = RegionExtractor(_cfg(decode_processes=2, decode_threads=2))
     items = [(i, functools.partial(_exit_in_child, str(p))) for i, p in enumerate(paths[:4])]
     got = _collect(model, items)
     _equal(got, {k: v for k, v in inline.items() if k < 4})
-    assert model.loader_processes == 0 and model._pool is None
+    assert model.decode_processes == 0 and model._pool is None
     assert any("loader processes failed" in w for w in model.warnings)
 
 
 def test_unpicklable_loaders_use_threads(paths, inline):
-    model = RegionExtractor(_cfg(loader_processes=2, loader_threads=2))
+    model = RegionExtractor(_cfg(decode_processes=2, decode_threads=2))
     items = [(i, (lambda p=p: load_rgb(p))) for i, p in enumerate(paths)]
     _equal(_collect(model, items), inline)
     assert model._pool is None
 
 
 def test_inline_streams_start_no_processes(paths, inline):
-    model = RegionExtractor(_cfg(loader_processes=2))
+    model = RegionExtractor(_cfg(decode_processes=2))
     _equal(_collect(model, _items(paths), threads=0), inline)
     assert model._pool is None
 
 
 def test_defaults():
     model = RegionExtractor(_cfg())
-    assert model.loader_processes == 0 and not model.channels_last  # CPU: no processes, contiguous layout
+    assert model.decode_processes == 0 and not model.channels_last  # CPU: no processes, contiguous layout
 
 
 def test_channels_last_on_cpu_is_float_rounding_only(paths, inline):

@@ -123,7 +123,7 @@ def test_dask_workers_match_in_process(planted, tmp_path):
 def test_new_settings_make_a_new_store(tmp_path):
     a = _cfg(tmp_path)
     b = _cfg(tmp_path, "features.extractor.proposals=20")
-    c = _cfg(tmp_path, "features.extractor.device=cpu", "features.workers=1")
+    c = _cfg(tmp_path, "features.extractor.device=cpu", "features.dask_workers=1")
     assert store_uri(a) != store_uri(b)
     assert store_uri(a) == store_uri(c)  # where and how parallel it runs does not change the numbers
 

@@ -26,8 +26,8 @@ def test_cpu_store_names_are_unchanged(preset, overrides, key):
 def test_overlap_settings_do_not_name_the_store_but_numeric_ones_do():
     base = ["features.extractor.device=cpu"]
     k = store_key(load_config("demo", overrides=base).features)
-    for same in ("features.extractor.loader_threads=8", "features.extractor.selection_on_device=true",
-                 "features.extractor.loader_processes=3", "features.extractor.channels_last=true",
+    for same in ("features.extractor.decode_threads=8", "features.extractor.selection_on_device=true",
+                 "features.extractor.decode_processes=3", "features.extractor.channels_last=true",
                  "features.extractor.batching=exact", "features.extractor.batch_size=2"):
         assert store_key(load_config("demo", overrides=[*base, same]).features) == k, same
     for other in ("features.extractor.batching=padded", "features.extractor.batch_size=4",
