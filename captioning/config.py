@@ -275,10 +275,7 @@ class XEConfig(Section):
 
 class SCSTConfig(Section):
     enabled: bool = Field(True, description="Run SCST fine-tuning after XE")
-    epochs: int = Field(10, ge=1, le=100_000, description="SCST epochs")
-    epochs_for: dict[str, int] = Field(
-        default_factory=dict, description="SCST epochs of named students (a family or registry preset: "
-        "{expansionnet: 10}), overriding `epochs` for them")
+    epochs: int = Field(10, ge=1, le=100_000, description="SCST epochs (a student's own: students.per_student)")
     lr: float = Field(5e-5, gt=0, description="Constant SCST learning rate")
     samples: int = Field(5, ge=2, le=1000, description="Sampled captions per image")
     baseline: Literal["mean", "greedy"] = Field("mean", description="Reward baseline: mean of others or greedy")
@@ -289,30 +286,24 @@ class SCSTConfig(Section):
         "policy SCST improves is the one greedy/beam decoding evaluates (chosen on validation: README, 'SCST "
         "recipe'); unset = the model's own XE dropout, as the released SCST code keeps it")
 
-    def for_student(self, name: str | None) -> SCSTConfig:
-        """The section as it applies to student ``name``: its ``epochs_for`` entry, if any, as ``epochs``."""
-        return self.model_copy(update={"epochs": self.epochs_for.get(name, self.epochs) if name else self.epochs,
-                                       "epochs_for": {}})
-
-    @field_validator("epochs_for")
-    @classmethod
-    def _known_students(cls, v: dict[str, int]) -> dict[str, int]:
-        from captioning.models.registry import PRESETS
-        from captioning.training.recipe import FAMILIES
-
-        for name, epochs in v.items():
-            if name not in FAMILIES and name not in PRESETS:
-                raise ValueError(f"unknown student {name!r} (families: {', '.join(FAMILIES)})")
-            if epochs < 1:
-                raise ValueError(f"{name}: SCST epochs must be >= 1, got {epochs}")
-        return v
-
 
 class TeacherConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The AIC teacher's architecture")
     xe: XEConfig = Field(default_factory=XEConfig, description="Teacher XE training")
     nproc: int = Field(1, ge=1, description="Data-parallel training processes for the teacher (torch DDP: gloo on "
                        "CPU, NCCL on GPUs, one GPU per process)")
+
+
+class StudentOverrides(Section):
+    seqkd: bool = Field(False, description="Train on the teacher's SeqKD captions instead of the ground truth")
+    teacher_init: bool = Field(False, description="Start from the teacher's weights where the shapes match")
+    scst_epochs: int | None = Field(None, ge=1, le=100_000, description="SCST epochs of this student; unset = "
+                                    "students.scst.epochs")
+
+
+#: the per-student departures every config starts from (SATIC as its paper trains it); entries a config gives are
+#: merged over these, field by field
+DEFAULT_PER_STUDENT: dict[str, dict[str, Any]] = {"satic": {"seqkd": True, "teacher_init": True}}
 
 
 class StudentsConfig(Section):
@@ -330,14 +321,41 @@ class StudentsConfig(Section):
     torch_threads: int | None = Field(None, ge=1, description="Torch threads per student process on a cluster "
                                       "(default: usable CPUs // students.dask_workers)")
     seqkd_beam: int = Field(5, ge=1, le=1000, description="Beam size of the teacher when generating SeqKD captions")
-    seqkd_for: list[str] = Field(
-        default_factory=lambda: ["satic"], description="Students trained on the teacher's SeqKD captions"
-    )
-    teacher_init_for: list[str] = Field(
-        default_factory=lambda: ["satic"], description="Students initialised from the teacher's weights"
-    )
+    per_student: dict[str, StudentOverrides] = Field(
+        default_factory=lambda: {k: StudentOverrides(**v) for k, v in DEFAULT_PER_STUDENT.items()},
+        description="How named students (a family or registry preset) depart from the common recipe: "
+        "{lw: {seqkd: true}, expansionnet: {scst_epochs: 10}}; merged over the default {satic: {seqkd: true, "
+        "teacher_init: true}} field by field")
     xe: XEConfig = Field(default_factory=XEConfig, description="Student XE training")
     scst: SCSTConfig = Field(default_factory=SCSTConfig, description="Student SCST fine-tuning")
+
+    @field_validator("per_student", mode="before")
+    @classmethod
+    def _merged_over_defaults(cls, v: Any) -> Any:
+        from captioning.models.registry import PRESETS
+        from captioning.training.recipe import FAMILIES
+
+        if not isinstance(v, dict):
+            return v
+        merged: dict[str, Any] = {k: dict(e) for k, e in DEFAULT_PER_STUDENT.items()}
+        for name, entry in v.items():
+            if name not in FAMILIES and name not in PRESETS:
+                raise ValueError(f"unknown student {name!r} (families: {', '.join(FAMILIES)})")
+            if isinstance(entry, StudentOverrides):
+                entry = entry.model_dump(exclude_unset=True)
+            if not isinstance(entry, dict):
+                return v  # pydantic names the wrong type
+            merged[name] = {**merged.get(name, {}), **entry}
+        return merged
+
+    def overrides_for(self, name: str) -> StudentOverrides:
+        """Student ``name``'s departures from the common recipe (none: the defaults)."""
+        return self.per_student.get(name) or StudentOverrides()
+
+    def scst_for(self, name: str | None) -> SCSTConfig:
+        """The SCST section as it applies to student ``name`` (its ``scst_epochs`` as ``epochs``)."""
+        epochs = self.overrides_for(name).scst_epochs if name else None
+        return self.scst.model_copy(update={"epochs": epochs or self.scst.epochs})
 
 
 class EvalConfig(Section):
@@ -449,6 +467,41 @@ def _warn_renamed(origin: str, old: str, new: str) -> None:
 
     warnings.warn(f"{origin}: the setting {old} is now called {new}; the old name is read until the next release",
                   FutureWarning, stacklevel=4)
+
+
+#: the three per-student shapes before ``students.per_student`` (lists and a mapping), read until the next release
+LEGACY_PER_STUDENT = {"students.seqkd_for": "seqkd", "students.teacher_init_for": "teacher_init",
+                      "students.scst.epochs_for": "scst_epochs"}
+
+
+def _legacy_per_student(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """``students.seqkd_for: [..]``, ``teacher_init_for: [..]`` and ``scst.epochs_for: {..}`` as
+    ``students.per_student`` entries, each with a FutureWarning. A list was the whole set: a default student it
+    leaves out gets ``false``."""
+    st = data.get("students")
+    if not isinstance(st, dict):
+        return data
+    scst = st.get("scst") if isinstance(st.get("scst"), dict) else {}
+    for old, field in LEGACY_PER_STUDENT.items():
+        holder, key = (scst, "epochs_for") if field == "scst_epochs" else (st, old.rsplit(".", 1)[1])
+        if key not in holder:
+            continue
+        value = holder.pop(key)
+        _warn_renamed(origin, old, f"students.per_student.<name>.{field}")
+        per = st.setdefault("per_student", {})
+        if not isinstance(per, dict):
+            raise ConfigError(f"{origin}: students.per_student must be a mapping of student names")
+        if field == "scst_epochs":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{origin}: {old} must map student names to SCST epochs, got {value!r}")
+            for name, epochs in value.items():
+                per.setdefault(name, {})[field] = epochs
+            continue
+        if not isinstance(value, list):
+            raise ConfigError(f"{origin}: {old} must be a list of student names, got {value!r}")
+        for name in {*DEFAULT_PER_STUDENT, *map(str, value)}:
+            per.setdefault(name, {})[field] = name in value
+    return data
 
 
 def _renamed(data: dict[str, Any], origin: str) -> dict[str, Any]:
@@ -571,6 +624,7 @@ def load_config(
         _set_path(data, _renamed_path(keys, item), value, item)
     if overrides:
         origin += " + overrides"
+    data = _legacy_per_student(data, origin)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

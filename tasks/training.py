@@ -142,7 +142,7 @@ def student_key(rc: RunContext, plan: StudentPlan, arch: dict, feats: FeaturesRe
     parts: dict[str, Any] = {"arch": arch, "xe": cfg.digest("students.xe"), "loader": cfg.digest("loader"),
                              "seed": cfg.run.seed, "features": feats.digest, "labels": labels.labels_digest,
                              "max_words": cfg.dataset.max_words, "nproc": cfg.students.nproc,
-                             # this student's SCST settings: another student's epochs_for entry does not touch it
+                             # this student's SCST settings: another student's per_student entry does not touch it
                              "scst": json_digest(plan.scst.model_dump(mode="json")) if scst else None,
                              "evaluation": cfg.digest("evaluation")}
     if plan.captions == "seqkd":
@@ -154,7 +154,7 @@ def student_key(rc: RunContext, plan: StudentPlan, arch: dict, feats: FeaturesRe
 
 def _needed(ref: R | None, what: str, name: str) -> R:
     if ref is None:
-        raise ValueError(f"student {name} needs {what} (students.seqkd_for / students.teacher_init_for)")
+        raise ValueError(f"student {name} needs {what} (students.per_student.{name})")
     return ref
 
 

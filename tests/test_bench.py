@@ -52,7 +52,7 @@ def test_bench_learning_cli_json_small(capsys, tmp_path):
             "dataset.synthetic.test_fraction=0.2", "students.size=tiny", "teacher.model.d_model=32",
             "teacher.model.layers=1", "teacher.model.heads=2", "teacher.model.d_ff=64", "teacher.xe.epochs=1",
             "students.xe.epochs=1", "students.scst.epochs=1", "students.scst.samples=2", "loader.batch_size=16",
-            "evaluation.beam=2", "students.seqkd_beam=2", "students.scst.epochs_for.expansionnet=2"]
+            "evaluation.beam=2", "students.seqkd_beam=2", "students.per_student.expansionnet.scst_epochs=2"]
     threads = torch.get_num_threads()
     rc = main(["bench", "learning", "--json", "--seeds", "1", "--threads", "1", "--tmp", str(tmp_path),
                *[a for s in sets for a in ("--set", s)]])
@@ -62,7 +62,7 @@ def test_bench_learning_cli_json_small(capsys, tmp_path):
     assert out["machine"]["threads"] == 1
     assert out["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert torch.get_num_threads() == threads
-    # students.scst.epochs_for: ExpansionNet's SCST ran its own epoch count, every other model students.scst.epochs
+    # students.per_student: ExpansionNet's SCST ran its own epoch count, every other model students.scst.epochs
     scst_epochs = {f: len(m["scst_val_cider"]) for f, m in out["runs"][0]["models"].items()}
     assert scst_epochs == {"aic": 1, "acort": 1, "expansionnet": 2, "lw": 1, "satic": 1, "zodiac": 1}
     assert out["bench"] == "learning" and out["images"] == 48

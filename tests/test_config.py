@@ -349,22 +349,47 @@ def test_scst_batch_size_defaults_to_the_loaders_and_can_be_its_own():
     assert xe_settings(cfg.students.xe, cfg).batch_size == 16
 
 
-def test_scst_epochs_for_names_students_and_overrides_epochs_for_them_only():
-    from captioning.training.recipe import scst_settings
+def test_per_student_overrides_merge_over_the_defaults_and_name_known_students():
+    from captioning.training.recipe import scst_settings, student_plan
 
     cfg = load_config("learning")
     sc = cfg.students.scst
-    assert sc.epochs_for == {"expansionnet": 10} and sc.epochs == 5
+    assert cfg.students.per_student["expansionnet"].scst_epochs == 10 and sc.epochs == 5
     assert scst_settings(sc, cfg, "expansionnet").epochs == 10
     assert [scst_settings(sc, cfg, s).epochs for s in ("acort", "lw", "satic", "zodiac", "aic")] == [5] * 5
     assert scst_settings(sc, cfg).epochs == 5  # no student named: the section's epochs
-    cfg = load_config("demo", overrides=["students.scst.epochs=3", "students.scst.epochs_for.lw-2x=7"])
+    # the preset's entry came on top of the default one: SATIC keeps SeqKD and the teacher's weights
+    assert (student_plan(cfg, "satic").captions, student_plan(cfg, "satic").init_from_teacher) == ("seqkd", True)
+    cfg = load_config("demo", overrides=["students.scst.epochs=3", "students.per_student.lw-2x.scst_epochs=7",
+                                         "students.per_student.satic.seqkd=false", "students.per_student.lw.seqkd=1"])
     assert scst_settings(cfg.students.scst, cfg, "lw-2x").epochs == 7  # a registry preset name
     assert scst_settings(cfg.students.scst, cfg, "lw").epochs == 3
-    with pytest.raises(ConfigError, match=r"epochs_for.*unknown student 'expnet'"):
-        load_config("demo", overrides=["students.scst.epochs_for.expnet=3"])
-    with pytest.raises(ConfigError, match="lw: SCST epochs must be >= 1, got 0"):
-        load_config("demo", overrides=["students.scst.epochs_for.lw=0"])
+    satic, lw = student_plan(cfg, "satic"), student_plan(cfg, "lw")
+    assert (satic.captions, satic.init_from_teacher) == ("ground_truth", True)  # field by field
+    assert (lw.captions, lw.init_from_teacher) == ("seqkd", False)
+    with pytest.raises(ConfigError, match=r"per_student.*unknown student 'expnet'"):
+        load_config("demo", overrides=["students.per_student.expnet.seqkd=true"])
+    with pytest.raises(ConfigError, match=r"per_student.lw.scst_epochs"):
+        load_config("demo", overrides=["students.per_student.lw.scst_epochs=0"])
+    with pytest.raises(ConfigError, match=r"unknown key 'students.per_student.lw.seqdk'"):
+        load_config("demo", overrides=["students.per_student.lw.seqdk=true"])
+
+
+def test_the_old_per_student_shapes_are_read_with_a_warning():
+    """``seqkd_for`` / ``teacher_init_for`` lists (the whole set: a default student left out is off) and
+    ``scst.epochs_for`` become ``students.per_student`` entries, with a FutureWarning."""
+    from captioning.training.recipe import student_plan
+
+    with pytest.warns(FutureWarning, match=r"students.seqkd_for is now called students.per_student.<name>.seqkd"):
+        cfg = load_config("demo", overrides=["students.seqkd_for=[lw]", "students.scst.epochs_for.zodiac=4"])
+    assert student_plan(cfg, "lw").captions == "seqkd" and student_plan(cfg, "satic").captions == "ground_truth"
+    assert student_plan(cfg, "satic").init_from_teacher  # teacher_init_for not given: the default holds
+    assert cfg.students.scst_for("zodiac").epochs == 4
+    with pytest.warns(FutureWarning, match="teacher_init_for"):
+        cfg = load_config("demo", overrides=["students.teacher_init_for=[]"])
+    assert not student_plan(cfg, "satic").init_from_teacher and student_plan(cfg, "satic").captions == "seqkd"
+    with pytest.raises(ConfigError, match="must be a list of student names"):
+        load_config("demo", overrides=["students.seqkd_for=lw"])
 
 
 def test_renamed_keys_are_read_with_a_warning(tmp_path: Path) -> None:

@@ -18,12 +18,42 @@ def _text(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
+def _named_entries(model=None, prefix: str = "") -> set[str]:
+    """``key.*.field`` for every setting that maps names to a section (``students.per_student.*.seqkd``)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from captioning.config import PipelineConfig
+
+    out: set[str] = set()
+    for name, f in (model or PipelineConfig).model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out |= _named_entries(ann, f"{prefix}{name}.")
+        elif typing.get_origin(ann) is dict:
+            value = typing.get_args(ann)[1]
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                out |= {f"{prefix}{name}.*.{sub}" for sub in value.model_fields}
+    return out
+
+
 def _config_keys() -> set[str]:
     from captioning.config import describe_keys
 
-    keys = {k for k, _, _ in describe_keys()}
+    keys = {k for k, _, _ in describe_keys()} | _named_entries()
     # every prefix of a key is a section that docs may name
     return keys | {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)}
+
+
+def _as_pattern(key: str) -> str:
+    """A cited key with the entry name of a named-entries setting as ``*`` (``students.per_student.lw.seqkd`` ->
+    ``students.per_student.*.seqkd``)."""
+    for entry in _named_entries():
+        head = entry.split(".*.", 1)[0] + "."
+        if key.startswith(head) and key.count(".") == entry.count("."):
+            return head + "*." + key.rsplit(".", 1)[1]
+    return key
 
 
 def _commands() -> set[str]:
@@ -61,5 +91,5 @@ def test_named_commands_and_config_keys_exist(doc):
     files = ("json", "pkl", "py", "yaml", "yml", "md", "zarr", "pt", "pth", "npy", "npz", "tsv", "hdf5", "db")
     cited = {m for m in re.findall(r"`(?:--set )?([a-z_]+(?:\.[a-z_0-9]+)+)(?:[:=][^`]*)?`", text)
              if m.split(".")[0] in SECTIONS and m.rsplit(".", 1)[1] not in files}
-    unknown = sorted(k for k in cited if k not in keys)
+    unknown = sorted(k for k in cited if _as_pattern(k) not in keys)
     assert not unknown, f"{doc.name}: config keys that do not exist: {unknown}"

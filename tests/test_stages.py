@@ -75,7 +75,8 @@ def test_stage_key_changes_with_every_part_and_the_stage_only():
 
 
 def test_a_students_key_moves_with_its_own_scst_epochs_only():
-    """``students.scst.epochs_for`` for one student re-runs that student's stage, not the others'."""
+    """``students.per_student.<name>.scst_epochs`` for one student re-runs that student's stage, not the
+    others'."""
     from types import SimpleNamespace
 
     from captioning.config import load_config
@@ -88,12 +89,12 @@ def test_a_students_key_moves_with_its_own_scst_epochs_only():
         return student_key(SimpleNamespace(cfg=cfg), student_plan(cfg, name), {"arch": name}, ref, ref, ref, ref,
                            scst)
 
-    longer = "students.scst.epochs_for.expansionnet=9"
+    longer = "students.per_student.expansionnet.scst_epochs=9"
     assert key("lw") == key("lw", longer) and key("lw", scst=False) == key("lw", longer, scst=False)
     assert key("expansionnet") != key("expansionnet", longer)
     # an entry that says what `epochs` says is the same SCST, the same key
     epochs = load_config("demo").students.scst.epochs
-    assert key("expansionnet") == key("expansionnet", f"students.scst.epochs_for.expansionnet={epochs}")
+    assert key("expansionnet") == key("expansionnet", f"students.per_student.expansionnet.scst_epochs={epochs}")
     assert key("lw") != key("lw", "students.scst.lr=1e-4")
 
 
@@ -101,8 +102,7 @@ def test_student_plan_decides_captions_init_and_scst_once():
     from captioning.config import load_config
     from captioning.training.recipe import student_plan
 
-    cfg = load_config("demo", overrides=["students.seqkd_for=[satic,lw]", "students.teacher_init_for=[satic]",
-                                         "students.scst.epochs_for.lw=7"])
+    cfg = load_config("demo", overrides=["students.per_student.lw.seqkd=true", "students.per_student.lw.scst_epochs=7"])
     satic, lw, acort = (student_plan(cfg, n) for n in ("satic", "lw", "acort"))
     assert (satic.preset, satic.captions, satic.init_from_teacher, satic.needs_teacher) == \
         ("satic-k4", "seqkd", True, True)

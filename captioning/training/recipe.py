@@ -53,7 +53,7 @@ def preset_name(name: str) -> str:
 class StudentPlan:
     """What the recipe makes of one student name, decided here once: its registry preset, the captions it trains
     on (the teacher's SeqKD captions or the ground truth), whether it starts from the teacher's weights, and its
-    own SCST section (its ``epochs_for`` entry applied). The pipeline's student job, ``capflow train`` and the
+    own SCST section (its ``students.per_student`` entry applied). The pipeline's student job, ``capflow train`` and the
     stage keys all read it."""
 
     name: str
@@ -70,9 +70,9 @@ class StudentPlan:
 def student_plan(cfg: PipelineConfig, name: str) -> StudentPlan:
     """The plan of student ``name`` (a family or a registry preset; unknown names raise ValueError)."""
     st = cfg.students
-    return StudentPlan(name=name, preset=preset_name(name),
-                       captions="seqkd" if name in st.seqkd_for else "ground_truth",
-                       init_from_teacher=name in st.teacher_init_for, scst=st.scst.for_student(name))
+    own = st.overrides_for(name)
+    return StudentPlan(name=name, preset=preset_name(name), captions="seqkd" if own.seqkd else "ground_truth",
+                       init_from_teacher=own.teacher_init, scst=st.scst_for(name))
 
 
 def max_tokens(cfg: ArchConfig | Captioner, max_words: int, codec: RadixCodec | None) -> int:
@@ -133,9 +133,11 @@ def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None)
 
 
 def scst_settings(scst: SCSTConfig, cfg: PipelineConfig, student: str | None = None) -> TrainSettings:
-    """SCST's train settings; ``student`` (a family or registry preset) picks its ``epochs_for`` entry."""
+    """SCST's train settings; ``student`` (a family or registry preset) picks its ``students.per_student``
+    SCST epochs."""
     lo = cfg.loader
-    return TrainSettings(epochs=scst.for_student(student).epochs, batch_size=scst.batch_size or lo.batch_size,
+    return TrainSettings(epochs=cfg.students.scst_for(student).epochs if student else scst.epochs,
+                         batch_size=scst.batch_size or lo.batch_size,
                          schedule="constant", lr=scst.lr, clip=None, workers=lo.dataloader_workers,
                          seed=cfg.run.seed + 1, precision=cfg.run.precision,
                          compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else False)

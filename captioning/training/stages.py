@@ -157,7 +157,8 @@ def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Pat
              settings: TrainSettings | None = None, on_epoch: EpochFn | None = None,
              stop_after_steps: int | None = None, student: str | None = None) -> tuple[Captioner, TrainResult]:
     """SCST fine-tuning starting from ``init_checkpoint`` (the XE best); resumes from ckpt_dir/last.pt.
-    ``student`` names the family for ``students.scst.epochs_for`` (when ``settings`` is not given).
+    ``student`` names the student whose ``students.per_student`` SCST epochs apply (when ``settings`` is not
+    given).
 
     The starting weights are validated first and compete for the best checkpoint (``best_epoch == -1``: no SCST
     epoch beat them on validation, and the returned model is the starting one). The model trains with
