@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) infra/install_detectron2.py
 	@touch $(STAMP)
 	@echo "environment ready: $(VENV)"
 
-# Headless Chromium for the UI test (tests/test_stack.py): installed with apt-get when missing and running as
+# Headless Chromium for the UI test (tests/flows/test_stack.py): installed with apt-get when missing and running as
 # root (CI); elsewhere install it yourself or the browser test is skipped. CAPFLOW_NO_APT=1 never installs.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \

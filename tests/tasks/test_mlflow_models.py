@@ -155,7 +155,7 @@ def test_mlflow_loads_the_champion_and_captions_like_the_folder(registered, refe
     with pytest.raises(MlflowException, match=r"row 1: not an image"):
         model.predict(pd.DataFrame({"image": [images[0].read_bytes(), b"not an image"]}))
     # capflow caption reads the capflow folder out of the new-style version (old-style runs:/ versions:
-    # tests/test_caption.py; the pipeline's own champion: tests/test_pipeline.py)
+    # tests/test_caption.py; the pipeline's own champion: tests/flows/test_pipeline.py)
     folder = resolve_model("models:/capflow-captioner@champion")
     assert (folder / "model.pt").read_bytes() == (registered["folder"] / "model.pt").read_bytes()
     assert {p.name for p in folder.iterdir()} == {"model.pt", "vocab.json", "capflow.json"}

@@ -9,7 +9,7 @@ import torch
 
 from captioning.decoding import beam_search, greedy, sample
 from captioning.decoding.search import _repeat_ban
-from tests.models.test_decoding import CODEC, _biased, check_well_formed, model_and_inputs, teacher_logprob
+from tests.decoding.test_decoding import CODEC, _biased, check_well_formed, model_and_inputs, teacher_logprob
 
 
 def _repeating(name: str, first: int, second: int):
@@ -93,7 +93,7 @@ def test_predict_and_config_wire_the_constraint(name, codec):
 
     from captioning.config import load_config
     from captioning.metrics.evaluation import predict
-    from tests.models.test_decoding import VOCAB
+    from tests.decoding.test_decoding import VOCAB
 
     assert load_config("demo").evaluation.decoding_constraint is False
     assert load_config("demo", overrides=["evaluation.decoding_constraint=true"]).evaluation.decoding_constraint

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flows.stack import Stack
-from tests.test_stack import _free_port
+from tests.flows.test_stack import _free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 CAPFLOW = [sys.executable, "-m", "flows.cli"]

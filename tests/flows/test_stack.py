@@ -27,7 +27,7 @@ from mlflow import MlflowClient
 from flows.stack import HOST, Stack, port_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CAPFLOW = [sys.executable, "-m", "flows.cli"]
 PREFECT = str(Path(sys.executable).parent / "prefect")
 SHOTS = Path(os.environ.get("CAPFLOW_TEST_ARTIFACTS", REPO / "test-artifacts")) / "screenshots"

@@ -26,7 +26,7 @@ from tasks.common import RunContext
 from tasks.refs import FeaturesRef, SeqKDRef, StudentFailure, TeacherRef
 from tasks.tracking import OWNER_HOST, OWNER_PID, Tracker, TrackingUnavailable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -288,7 +288,7 @@ def test_graph_sampling_on_cuda(name):
     """Sampling replayed from one graph per search: well-formed, the policy's own log-probs, reproducible after
     seeding the default CUDA generator, new draws per replay, and at a tiny temperature the greedy captions."""
     from captioning.decoding import graphs
-    from tests.models.test_decoding import check_well_formed, teacher_logprob
+    from tests.decoding.test_decoding import check_well_formed, teacher_logprob
 
     model = _cuda_model(name)
     mem = _memory(model, 3, device="cuda")
