@@ -294,6 +294,19 @@ def _log_trained_model(rc: RunContext, run: str, best: str | Path, name: str, vo
     return model_id
 
 
+def imported_checkpoint(rc: RunContext, folder: str | Path, *, family: str, preset: str, checkpoint: str,
+                        params: dict[str, Any]) -> str | None:
+    """A released checkpoint that ``capflow import-checkpoint`` converted into ``folder``, as an MLflow Model: a
+    run ``import-checkpoint`` with the checkpoint file as its input (by sha256) and the folder as a LoggedModel
+    (not registered: it has no test score here). Returns the ``model_id`` (None without tracking)."""
+    with rc.tracker.run("import-checkpoint", rc.parent_run, {"capflow.student": family}) as run:
+        rc.tracker.params(run, {"family": family, "preset": preset, **params})
+        rc.tracker.dataset(run, "checkpoint", sha256_file(checkpoint), checkpoint, "model")
+        return rc.tracker.log_model(run, folder, name=preset.replace("@", "-"), params={"family": family, **params},
+                                    tags={"capflow.student": family, "capflow.preset": preset,
+                                          "capflow.imported_from": Path(checkpoint).name})
+
+
 def model_job(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef, scst: bool = True
               ) -> TeacherRef | StudentResult | StudentFailure:
     """One model of the recipe exactly as the pipeline makes it (``capflow train --model NAME``): the teacher, or

@@ -43,6 +43,7 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
     if args.heads < 1:
         raise CLIError("--heads must be >= 1")
     cfg = load_config(args.preset, args.config, args.overrides)  # ConfigError: reported by capflow's main
+    d_want = cfg.features.feature_dim
     try:
         model, vocab = import_checkpoint(args.family, args.ckpt, args.vocab, heads=args.heads,
                                          group_size=args.group_size, zodiac_gate=args.gate,
@@ -52,13 +53,14 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
     except ValueError as e:  # the released vocabulary does not make a capflow one (e.g. a duplicate word)
         raise CLIError(f"{args.vocab}: {e}") from None
     d_in = int(model.cfg.d_in)
-    if cfg.features.feature_dim != d_in:
+    if d_want != d_in:
         raise CLIError(f"the checkpoint takes {d_in}-d region features but the configuration's extractor gives "
-                       f"features.feature_dim={cfg.features.feature_dim}: give a preset/config whose features "
-                       f"match (or --set features.feature_dim={d_in})")
+                       f"features.feature_dim={d_want}: give a preset/config whose features match (or --set "
+                       f"features.feature_dim={d_in})")
+    preset = f"{_preset_name(args)}@released"
     folder = save_model_dir(
         out, model=model, arch=model.cfg.to_dict(), vocab=vocab, features=cfg.features.model_dump(mode="json"),
-        student=args.family, preset=f"{_preset_name(args)}@released", max_words=cfg.dataset.max_words,
+        student=args.family, preset=preset, max_words=cfg.dataset.max_words,
         beam=cfg.evaluation.beam, weights_cache_dir=Workdir.of(cfg).weights_cache())
     summary: dict[str, Any] = {
         "model_dir": str(folder), "family": args.family, "checkpoint": str(args.ckpt),
@@ -68,11 +70,21 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
         summary["gate"] = args.gate
     if args.released_acort_cache:
         summary["released_acort_cache"] = True
+    from flows.cli.common import stage_context
+    from tasks.training import imported_checkpoint
+
+    with stage_context(args, progress=False) as rc:  # an MLflow Model too when a tracking URI is set
+        model_id = imported_checkpoint(rc, folder, family=args.family, preset=preset, checkpoint=str(args.ckpt),
+                                       params={k: summary[k] for k in ("params", "words", "layers", "d_model",
+                                                                       "gate", "released_acort_cache")
+                                               if k in summary})
+    if model_id:
+        summary["model_id"] = model_id
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print(f"imported {args.family} {args.ckpt} -> {folder} ({summary['params']:,} parameters, "
-              f"{summary['words']} words)")
+              f"{summary['words']} words)" + (f"; MLflow Model {model_id}" if model_id else ""))
     if cfg.features.source != "detector":
         print(f"capflow import-checkpoint: features.source={cfg.features.source!r}: capflow caption needs "
               "detector features, so it will refuse this folder", file=sys.stderr)
@@ -120,4 +132,7 @@ def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser]
     p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     config_args(p)
+    from flows.cli.common import tracking_args
+
+    tracking_args(p)
     p.set_defaults(func=cmd_import_checkpoint)

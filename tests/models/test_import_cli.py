@@ -151,3 +151,32 @@ def test_import_lw_writes_a_model_folder_giving_the_released_log_probs(tmp_path,
         ref = lw.released_logprobs(sd, feats, seq)
         got = model(feats, boxes, mask, lw.TO_CAPFLOW[seq])
     torch.testing.assert_close(got, ref[..., lw.PERM], atol=1e-5, rtol=0)
+
+
+def test_import_is_an_mlflow_model_with_a_tracking_uri(tmp_path, capsys, monkeypatch):
+    """With MLFLOW_TRACKING_URI set the imported folder is also logged as an MLflow Model (a LoggedModel of a
+    FINISHED `import-checkpoint` run, the checkpoint file its input by sha256, pyfunc from code); without one,
+    nothing is tracked."""
+    from mlflow import MlflowClient
+
+    from captioning.util import sha256_file
+
+    _, ckpt, vocab = _files(tmp_path)
+    base = ["import-checkpoint", "--from", "aic", str(ckpt), "--vocab", str(vocab), "--heads", str(H),
+            "--set", f"features.feature_dim={D_IN}", "--set", f"run.workdir={tmp_path / 'work'}", "--json"]
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert _run([*base, "--out", str(tmp_path / "plain")]) == 0
+    assert "model_id" not in json.loads(capsys.readouterr().out) and not list(tmp_path.rglob("*.db"))
+    uri = f"sqlite:///{tmp_path / 'tracking' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert _run([*base, "--out", str(tmp_path / "tracked")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    c = MlflowClient(uri)
+    model = c.get_logged_model(summary["model_id"])
+    run = c.get_run(model.source_run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "import-checkpoint"
+    assert model.tags["capflow.preset"] == "aic@released" and model.tags["capflow.student"] == "aic"
+    (inp,) = run.inputs.dataset_inputs
+    assert inp.dataset.name == "checkpoint" and inp.dataset.digest == sha256_file(ckpt)[:36]
+    files = {a.path for a in c.list_logged_model_artifacts(model.model_id)}
+    assert {"MLmodel", "pyfunc_captioner.py"} <= files
