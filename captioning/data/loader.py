@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from captioning import stopping
 from captioning.data.karpathy import SPLIT_CODES
 from captioning.data.stores import OK, FeatureStore, Labels, LabelStore
 from captioning.data.text import BOS, EOS, PAD, RadixCodec
@@ -419,7 +420,8 @@ def make_loader(dataset: CaptionDataset, batch_size: int, workers: int = 0, drop
 
 def image_batches(source: FeatureSource, rows: np.ndarray, batch_size: int) -> Iterator[Batch]:
     """The images of ``rows`` (in order, read block-wise) as padded batches without captions (decoding,
-    distillation, evaluation). ``tokens`` is an empty (B, 1, 1) padding tensor."""
+    distillation, evaluation). ``tokens`` is an empty (B, 1, 1) padding tensor. A stop request
+    (:mod:`captioning.stopping`) ends it before the next batch: evaluation, SeqKD and latency runs stop there."""
     rows = np.asarray(rows, dtype=np.int64)
     pending: list = []
     empty = np.zeros((1, 1), np.int64)
@@ -428,7 +430,9 @@ def image_batches(source: FeatureSource, rows: np.ndarray, batch_size: int) -> I
         for r, iid, f, bx in zip(got.rows, got.image_ids, got.features, got.boxes, strict=True):
             pending.append((int(r), int(iid), f, bx, empty))
             if len(pending) == batch_size:
+                stopping.check("decoding")
                 yield collate(pending)
                 pending = []
     if pending:
+        stopping.check("decoding")
         yield collate(pending)

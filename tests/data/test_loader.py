@@ -163,3 +163,22 @@ def test_npy_loader_and_import_on_real_bottom_up_features(external, tmp_path):
     (b,) = list(make_loader(ds, 5))
     assert b.features.dtype == torch.float32 and b.features.shape[2] == 2048
     assert sorted(b.image_ids.tolist()) == ids
+
+
+def test_image_batches_stop_at_a_stop_request(data):
+    """Evaluation, SeqKD and latency runs decode through image_batches: a stop request (SIGTERM) ends them before
+    the next batch, as training stops after its step."""
+    from captioning import stopping
+    from captioning.data.loader import image_batches
+
+    src = MemoryFeatures(data["features"], data["boxes"], data["num_boxes"], data["ids"])
+    rows = np.arange(len(data["ids"]))
+    assert sum(len(b.image_ids) for b in image_batches(src, rows, 8)) == len(rows)
+    it = image_batches(src, rows, 8)
+    next(it)
+    stopping.request()
+    try:
+        with pytest.raises(stopping.Stopped, match="decoding"):
+            next(it)
+    finally:
+        stopping.reset()
