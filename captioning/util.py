@@ -9,9 +9,11 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 from captioning.errors import InfrastructureError
 
@@ -34,6 +36,8 @@ def sha256_file(path: str | Path) -> str:
 
 def resolve_device(spec: str, what: str = "device") -> torch.device:
     """``auto`` -> CUDA when present else CPU; an explicit CUDA device must exist."""
+    import torch  # here, not at the top: the data stages import this module and never need torch
+
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(spec)

@@ -136,3 +136,16 @@ def test_large_library_modules_are_named_with_a_reason():
              if len(p.read_text(encoding="utf-8").splitlines()) > MAX_LINES}
     assert sorted(large - set(named)) == [], f"over {MAX_LINES} lines, not in ARCHITECTURE.md's Large modules"
     assert sorted(set(named) - large) == [], "named in Large modules but not large (remove the line)"
+
+
+def test_the_data_stages_do_not_import_torch():
+    """Ingest, the vocabulary and the stores are numpy/zarr work: importing them must not load torch (~460 MB of
+    resident memory in every data-stage process, measured by `capflow bench scale`)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, captioning.data.prepare, captioning.data.stores, captioning.data.karpathy, "
+            "captioning.data.text, captioning.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
