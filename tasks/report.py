@@ -159,7 +159,7 @@ def rescore_champion(rc: RunContext, version: str, data: DatasetRef, feats: Feat
     from captioning.metrics.coco import score
     from captioning.metrics.evaluation import predict
     from captioning.training.loop import load_model
-    from captioning.training.recipe import codec_for, max_tokens
+    from captioning.training.recipe import codec_for, max_tokens, stage_plan
     from captioning.training.stages import StageContext
     from tasks.model_refs import resolve_model
 
@@ -171,7 +171,8 @@ def rescore_champion(rc: RunContext, version: str, data: DatasetRef, feats: Feat
     except CaptionerError as e:
         return {"error": f"its model folder cannot be used: {e}"}
     ds = Dataset.load(data.path)
-    ctx = StageContext.from_paths(cfg, labels.vocab_path, labels.labels_uri, feats.uri, ds, progress=rc.progress)
+    ctx = StageContext.from_paths(stage_plan(cfg), labels.vocab_path, labels.labels_uri, feats.uri, ds,
+                                  progress=rc.progress)
     refs = ctx.text_references("test")
     constraint = cfg.evaluation.decoding_constraint
     if same_features(features, cfg.features):

@@ -22,7 +22,16 @@ from captioning.data.stores import LabelStore
 from captioning.metrics.coco import references_document
 from captioning.training import checkpoint
 from captioning.training.loop import load_model
-from captioning.training.recipe import StudentPlan, preset_name, scst_settings, student_arch, student_plan, xe_settings
+from captioning.training.recipe import (
+    StudentPlan,
+    preset_name,
+    scst_settings,
+    stage_plan,
+    student_arch,
+    student_plan,
+    train_plan,
+    xe_settings,
+)
 from captioning.training.stages import StageContext, TrainSpec, evaluate, run_training, seqkd
 from captioning.util import sha256_file
 from tasks.common import RunContext, log
@@ -35,8 +44,8 @@ TEACHER_NAMES = ("teacher", "aic")  # what `capflow train --model` accepts for t
 
 
 def _context(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef) -> StageContext:
-    return StageContext.from_paths(rc.cfg, labels.vocab_path, labels.labels_uri, feats.uri, Dataset.load(data.path),
-                                   progress=rc.progress)
+    return StageContext.from_paths(stage_plan(rc.cfg), labels.vocab_path, labels.labels_uri, feats.uri,
+                                   Dataset.load(data.path), progress=rc.progress)
 
 
 def _spec(data: DatasetRef, feats: FeaturesRef, labels: LabelsRef, model: str, out, **kw: Any) -> TrainSpec:
@@ -75,7 +84,7 @@ class EpochLogger:
 def _train(rc: RunContext, run: str, spec: TrainSpec, nproc: int) -> dict[str, Any]:
     """Train; per-epoch metrics go to ``run`` as they come (one process) or from the history (DDP)."""
     logger = EpochLogger(rc, run) if nproc == 1 else None
-    res = run_training(rc.cfg, spec, nproc=nproc, on_epoch=logger, progress=rc.progress)
+    res = run_training(train_plan(rc.cfg, spec.model), spec, nproc=nproc, on_epoch=logger, progress=rc.progress)
     if logger is not None:
         logger.flush()  # what the tracker missed during training; raises if it is still down
     if nproc > 1:

@@ -46,7 +46,7 @@ from captioning.data.synthetic_features import informative_store_for
 from captioning.metrics import evaluation
 from captioning.metrics.coco import METRICS
 from captioning.metrics.diversity import repetition_stats
-from captioning.training.recipe import student_arch, teacher_arch, xe_settings
+from captioning.training.recipe import stage_plan, student_arch, teacher_arch, xe_settings
 from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, seqkd
 from captioning.util import resolve_device
 
@@ -91,8 +91,8 @@ def run_seed(cfg, wd: Path, progress: bool = False) -> dict[str, Any]:
     ds = ingest(cfg, progress=progress)
     store = informative_store_for(cfg, ds, str(wd / "features.zarr"), progress=progress)
     lab = vocab_and_labels(cfg, ds)
-    ctx = StageContext(cfg, lab.vocab, lab.labels_uri, ZarrFeatures(store.uri), ds, resolve_device(cfg.run.device),
-                       progress)
+    ctx = StageContext(stage_plan(cfg), lab.vocab, lab.labels_uri, ZarrFeatures(store.uri), ds,
+                       resolve_device(cfg.run.device), progress)
     d_in, words = cfg.features.feature_dim, cfg.dataset.max_words
     base_caption, base = most_frequent_caption(ctx)
     rows: list[dict[str, Any]] = []

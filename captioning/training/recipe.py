@@ -1,14 +1,18 @@
 """From config to training objects: which architecture a student name means at which size, how long its
 sequences are, which captions it trains on, and the train settings of each stage.
 
-One place maps the pipeline's vocabulary (``teacher.model``, ``students.names``/``size``, ``xe``/``scst``
-sections) onto the library (registry presets, :class:`TrainSettings`), so the CLI, the pipeline tasks and the
-benchmarks build identical models from identical configs.
+One place maps the pipeline's vocabulary (``teacher.model``, ``students.names``/``size``/``per_student``,
+``xe``/``scst`` sections) onto the library: :class:`StudentPlan` (what a student name means), :class:`StagePlan`
+(what the stage functions of :mod:`captioning.training.stages` read - they never see the pipeline config) and
+:class:`TrainPlan` (one model's training, for :func:`~captioning.training.stages.run_training`). The CLI, the
+pipeline's jobs and the benchmarks build their plans here, so identical configs build identical models.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -143,6 +147,91 @@ def scst_settings(scst: SCSTConfig, cfg: PipelineConfig, student: str | None = N
                          compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else False)
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """What the library's stage functions read, taken from the config once (:func:`stage_plan`): the run's seed,
+    device, precision and caption length, the training data's batches, SeqKD's and the evaluation's decoding, SCST's
+    sampling and reward, and the students' default XE and SCST settings (``scst_epochs``: a student's own SCST
+    epochs, ``students.per_student``)."""
+
+    seed: int
+    device: str
+    precision: str
+    max_words: int
+    captions_per_image: int
+    shuffle_buffer: int
+    seqkd_beam: int
+    eval_beam: int
+    decoding_constraint: bool
+    spice_jars: str | None
+    scst_samples: int
+    scst_baseline: str
+    scst_dropout: float | None
+    xe: TrainSettings
+    scst: TrainSettings
+    scst_epochs: dict[str, int] = field(default_factory=dict)
+
+    def scst_for(self, student: str | None) -> TrainSettings:
+        """SCST's settings for ``student`` (its own epochs when it has them)."""
+        return replace(self.scst, epochs=self.scst_epochs.get(student, self.scst.epochs)) if student else self.scst
+
+
+def stage_plan(cfg: PipelineConfig) -> StagePlan:
+    st, sc, ev = cfg.students, cfg.students.scst, cfg.evaluation
+    return StagePlan(
+        seed=cfg.run.seed, device=cfg.run.device, precision=cfg.run.precision, max_words=cfg.dataset.max_words,
+        captions_per_image=cfg.loader.captions_per_image, shuffle_buffer=cfg.loader.shuffle_buffer,
+        seqkd_beam=st.seqkd_beam, eval_beam=ev.beam, decoding_constraint=ev.decoding_constraint,
+        spice_jars=ev.spice_jars, scst_samples=sc.samples, scst_baseline=sc.baseline, scst_dropout=sc.dropout,
+        xe=xe_settings(st.xe, cfg), scst=scst_settings(sc, cfg),
+        scst_epochs={n: o.scst_epochs for n, o in st.per_student.items() if o.scst_epochs})
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """One model's training (:func:`captioning.training.stages.run_training`): the stage plan, what builds its
+    architecture once the stores give the vocabulary and the feature width (``teacher``: the ``teacher.model``
+    section; a student: its family/preset at ``size``), and its XE and SCST settings. JSON-able: data-parallel
+    processes and torchrun jobs receive it as text."""
+
+    stage: StagePlan
+    model: str
+    size: str
+    teacher: dict[str, Any]
+    standardize: bool
+    xe: TrainSettings
+    scst: TrainSettings
+
+    @property
+    def is_teacher(self) -> bool:
+        return self.model in ("teacher", "aic")
+
+    def arch(self, vocab: Vocabulary, d_in: int) -> ArchConfig:
+        if self.is_teacher:
+            return teacher_arch(ModelConfig(**self.teacher), vocab, d_in, self.stage.max_words,
+                                standardize=self.standardize)
+        return student_arch(self.model, self.size, vocab, d_in, self.stage.max_words, standardize=self.standardize)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> TrainPlan:
+        d = json.loads(text) if isinstance(text, str) else dict(text)
+        st = dict(d["stage"])
+        stage = StagePlan(**{**st, "xe": TrainSettings(**st["xe"]), "scst": TrainSettings(**st["scst"])})
+        return cls(**{**d, "stage": stage, "xe": TrainSettings(**d["xe"]), "scst": TrainSettings(**d["scst"])})
+
+
+def train_plan(cfg: PipelineConfig, model: str) -> TrainPlan:
+    """The plan of ``model``: ``teacher`` (or ``aic``) or a student family / registry preset."""
+    teacher = model in ("teacher", "aic")
+    xe = xe_settings(cfg.teacher.xe if teacher else cfg.students.xe, cfg)
+    return TrainPlan(stage=stage_plan(cfg), model=model, size=cfg.students.size,
+                     teacher=cfg.teacher.model.model_dump(mode="json"), standardize=cfg.loader.standardize_features,
+                     xe=xe, scst=scst_settings(cfg.students.scst, cfg, None if teacher else model))
+
+
 def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]:
     """Label-store source codes for ``use`` = ground_truth | seqkd | both."""
     codes = {v: k for k, v in labels.sources.items()}
@@ -158,12 +247,11 @@ def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]
     return out
 
 
-def caption_dataset(source: FeatureSource, labels: Labels, cfg: PipelineConfig, *, codec: RadixCodec | None,
+def caption_dataset(source: FeatureSource, labels: Labels, plan: StagePlan, *, codec: RadixCodec | None,
                     split: str = "train", sources: list[int] | None = None, captions_per_image: int | None = None,
                     seed_offset: int = 0) -> CaptionDataset:
-    lo = cfg.loader
     return CaptionDataset(source, labels=labels, split=split, captions_per_image=captions_per_image or
-                          lo.captions_per_image, shuffle_buffer=lo.shuffle_buffer, seed=cfg.run.seed + seed_offset,
+                          plan.captions_per_image, shuffle_buffer=plan.shuffle_buffer, seed=plan.seed + seed_offset,
                           codec=codec, sources=sources)
 
 

@@ -1,9 +1,10 @@
 """The training stages of the pipeline as plain functions: XE (teacher or student), SeqKD, SCST, evaluation.
 
-Each takes a :class:`StageContext` (config, vocabulary, label store, feature store, references) and a
+Each takes a :class:`StageContext` (the stage plan, vocabulary, label store, feature store, references) and a
 checkpoint folder, so a stage that is killed resumes from its last epoch checkpoint when called again. The
 Prefect tasks, ``capflow train`` and ``capflow bench learning`` call these; none of them re-implements
-training logic. Nothing here knows about Prefect or MLflow: per-epoch metrics go to ``on_epoch``.
+training logic. Nothing here knows about Prefect, MLflow or the pipeline's config: the plans come from
+:mod:`captioning.training.recipe`, per-epoch metrics go to ``on_epoch``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from captioning.config import PipelineConfig
 from captioning.data.karpathy import Dataset
 from captioning.data.loader import FeatureSource, ZarrFeatures, region_stats
 from captioning.data.stores import Labels, LabelStore
@@ -28,15 +28,15 @@ from captioning.models.registry import PAPER_PARAMS
 from captioning.training import checkpoint
 from captioning.training.loop import TrainResult, TrainSettings, load_model, train
 from captioning.training.recipe import (
+    StagePlan,
+    TrainPlan,
     caption_dataset,
     codec_for,
     label_sources,
     max_tokens,
     preset_name,
     references,
-    scst_settings,
     split_rows,
-    xe_settings,
 )
 from captioning.training.scst import ScstLoss
 from captioning.training.seqkd import SeqKDReport, generate_seqkd
@@ -48,7 +48,7 @@ EpochFn = Callable[[int, dict[str, Any]], None]
 
 @dataclass
 class StageContext:
-    cfg: PipelineConfig
+    plan: StagePlan
     vocab: Vocabulary
     labels_uri: str
     source: FeatureSource
@@ -60,15 +60,15 @@ class StageContext:
         self._labels: Labels | None = None
 
     @classmethod
-    def from_paths(cls, cfg: PipelineConfig, vocab_path: str | Path, labels_uri: str, features_uri: str,
+    def from_paths(cls, plan: StagePlan, vocab_path: str | Path, labels_uri: str, features_uri: str,
                    dataset: Dataset | None = None, progress: bool = False) -> StageContext:
-        return cls(cfg, Vocabulary.load(vocab_path), labels_uri, ZarrFeatures(features_uri), dataset,
-                   resolve_device(cfg.run.device), progress)
+        return cls(plan, Vocabulary.load(vocab_path), labels_uri, ZarrFeatures(features_uri), dataset,
+                   resolve_device(plan.device), progress)
 
     @property
     def precision(self) -> str:
         """``run.precision`` (resolved against the device where it is used: see :mod:`captioning.precision`)."""
-        return self.cfg.run.precision
+        return self.plan.precision
 
     @property
     def labels(self) -> Labels:
@@ -99,7 +99,7 @@ class StageContext:
         return [c for v in references(self.labels, self.vocab, "train").text.values() for c in v]
 
     def max_tokens(self, model: Captioner | ArchConfig) -> int:
-        return max_tokens(model, self.cfg.dataset.max_words, self.vocab.radix())
+        return max_tokens(model, self.plan.max_words, self.vocab.radix())
 
     def validator(self, model: Captioner):
         codec = codec_for(model, self.vocab)
@@ -117,8 +117,9 @@ def fit_xe(ctx: StageContext, arch: ArchConfig, ckpt_dir: str | Path, *, setting
     ``init_from``: a checkpoint whose matching tensors initialise the model (SATIC weight-init from the teacher).
     A model that standardises its features (``arch.standardize_features``) gets the training split's region
     statistics: those stored in ``init_from`` when it has them (the teacher's: the same split), else computed.
-    Returns the best-validation model, the train result and an info dict (init report, sources)."""
-    s = settings or xe_settings(ctx.cfg.students.xe, ctx.cfg)
+    Returns the best-validation model, the train result and an info dict (init report, sources). ``settings``:
+    unset = the students' XE settings of the plan."""
+    s = settings or ctx.plan.xe
     torch.manual_seed(s.seed)
     model = Captioner(arch)
     info: dict[str, Any] = {"captions": captions, "seqkd_source": seqkd_source}
@@ -133,7 +134,7 @@ def fit_xe(ctx: StageContext, arch: ArchConfig, ckpt_dir: str | Path, *, setting
     if arch.standardize_features and fresh and not {"feature_mean", "feature_scale"} <= loaded:
         model.set_feature_stats(*map(torch.from_numpy, region_stats(ctx.source, ctx.rows("train"))))
     codec = codec_for(arch, ctx.vocab)
-    data = caption_dataset(ctx.source, ctx.labels, ctx.cfg, codec=codec,
+    data = caption_dataset(ctx.source, ctx.labels, ctx.plan, codec=codec,
                            sources=label_sources(ctx.labels, captions, seqkd_source))
     res = train(model, data, s, ckpt_dir, validate=ctx.validator(model), on_epoch=on_epoch, device=ctx.device,
                 vocab_digest=ctx.vocab.digest(), progress=ctx.progress, stop_after_steps=stop_after_steps)
@@ -147,7 +148,7 @@ def seqkd(ctx: StageContext, teacher: Captioner, name: str) -> SeqKDReport:
     if name in existing:
         raise ValueError(f"SeqKD source {name!r} is already in {ctx.labels_uri}")
     rep = generate_seqkd(teacher, ctx.source, ctx.labels_uri, ctx.vocab, name=name, codec=codec_for(teacher, ctx.vocab),
-                         beam=ctx.cfg.students.seqkd_beam, max_words=ctx.cfg.dataset.max_words,
+                         beam=ctx.plan.seqkd_beam, max_words=ctx.plan.max_words,
                          device=ctx.device, progress=ctx.progress, precision=ctx.precision)
     ctx.reload_labels()
     return rep
@@ -163,13 +164,14 @@ def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Pat
     The starting weights are validated first and compete for the best checkpoint (``best_epoch == -1``: no SCST
     epoch beat them on validation, and the returned model is the starting one). The model trains with
     ``students.scst.dropout`` at every dropout site (unset: its XE rates); its checkpoints record that rate."""
-    sc = ctx.cfg.students.scst
-    s = settings or scst_settings(sc, ctx.cfg, student)
-    model, _ = load_model(init_checkpoint, device=ctx.device, dropout=sc.dropout)
+    p = ctx.plan
+    s = settings or p.scst_for(student)
+    model, _ = load_model(init_checkpoint, device=ctx.device, dropout=p.scst_dropout)
     codec = codec_for(model, ctx.vocab)
     refs = references(ctx.labels, ctx.vocab, "train").ids
-    loss = ScstLoss(refs, samples=sc.samples, baseline=sc.baseline, max_tokens=ctx.max_tokens(model), codec=codec)
-    data = caption_dataset(ctx.source, ctx.labels, ctx.cfg, codec=codec, captions_per_image=1, seed_offset=1)
+    loss = ScstLoss(refs, samples=p.scst_samples, baseline=p.scst_baseline, max_tokens=ctx.max_tokens(model),
+                    codec=codec)
+    data = caption_dataset(ctx.source, ctx.labels, p, codec=codec, captions_per_image=1, seed_offset=1)
 
     def epoch_done(epoch: int, metrics: dict[str, Any]) -> None:
         metrics.update(loss.pop_stats())
@@ -193,11 +195,11 @@ def evaluate(ctx: StageContext, model: Captioner, *, split: str = "test", arch_n
     """Beam-decode ``split`` and score it (metrics, params, latency, novelty, length, predictions).
     ``decoding_constraint``: None = ``evaluation.decoding_constraint``."""
     if decoding_constraint is None:
-        decoding_constraint = ctx.cfg.evaluation.decoding_constraint
+        decoding_constraint = ctx.plan.decoding_constraint
     return evaluate_model(
         model, ctx.source, ctx.rows(split), ctx.text_references(split), ctx.vocab, codec=codec_for(model, ctx.vocab),
-        max_tokens=ctx.max_tokens(model), beam=ctx.cfg.evaluation.beam, train_captions=ctx.train_captions(),
-        params_convention=params_convention(arch_name), spice_jars=ctx.cfg.evaluation.spice_jars,
+        max_tokens=ctx.max_tokens(model), beam=ctx.plan.eval_beam, train_captions=ctx.train_captions(),
+        params_convention=params_convention(arch_name), spice_jars=ctx.plan.spice_jars,
         latency_images=latency_images, device=ctx.device, progress=ctx.progress, precision=ctx.precision,
         decoding_constraint=decoding_constraint)
 
@@ -224,27 +226,18 @@ class TrainSpec:
         return self.model in ("teacher", "aic")
 
 
-def _spec_context(cfg: PipelineConfig, spec: TrainSpec, progress: bool) -> StageContext:
+def _spec_context(plan: TrainPlan, spec: TrainSpec, progress: bool) -> StageContext:
     ds = Dataset.load(spec.dataset_path) if spec.dataset_path else None
-    return StageContext.from_paths(cfg, spec.vocab_path, spec.labels_uri, spec.features_uri, ds, progress=progress)
+    return StageContext.from_paths(plan.stage, spec.vocab_path, spec.labels_uri, spec.features_uri, ds,
+                                   progress=progress)
 
 
-def _fit(ctx: StageContext, spec: TrainSpec, on_epoch: EpochFn | None) -> tuple[TrainResult, dict[str, Any]]:
-    cfg = ctx.cfg
+def _fit(ctx: StageContext, plan: TrainPlan, spec: TrainSpec, on_epoch: EpochFn | None
+         ) -> tuple[TrainResult, dict[str, Any]]:
     if spec.scst_from:
-        _, res = fit_scst(ctx, spec.scst_from, spec.out, settings=scst_settings(cfg.students.scst, cfg, spec.model),
-                          on_epoch=on_epoch)
+        _, res = fit_scst(ctx, spec.scst_from, spec.out, settings=plan.scst, on_epoch=on_epoch)
         return res, {}
-    from captioning.training.recipe import student_arch, teacher_arch
-
-    if spec.is_teacher:
-        arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
-                            standardize=cfg.loader.standardize_features)
-    else:
-        arch = student_arch(spec.model, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
-                            standardize=cfg.loader.standardize_features)
-    xe = cfg.teacher.xe if spec.is_teacher else cfg.students.xe
-    _, res, info = fit_xe(ctx, arch, spec.out, settings=xe_settings(xe, cfg), captions=spec.captions,
+    _, res, info = fit_xe(ctx, plan.arch(ctx.vocab, ctx.d_in), spec.out, settings=plan.xe, captions=spec.captions,
                           seqkd_source=spec.seqkd_source, init_from=spec.init_from, on_epoch=on_epoch)
     return res, {k: v for k, v in info.items() if k.startswith("init_") and isinstance(v, int)}
 
@@ -257,30 +250,32 @@ def _result_json(fitted: tuple[TrainResult, dict[str, Any]], world: int) -> dict
             "last_checkpoint": str(res.last_checkpoint)}
 
 
-def train_rank(rank: int, world: int, cfg_json: str, spec_json: dict[str, Any], progress: bool) -> dict[str, Any]:
+def train_rank(rank: int, world: int, plan_json: str, spec_json: dict[str, Any], progress: bool) -> dict[str, Any]:
     """One data-parallel process of :func:`run_training` (what :func:`captioning.training.ddp.launch` runs)."""
     from captioning.training.ddp import rank_device
 
-    cfg = PipelineConfig.model_validate_json(cfg_json)
-    ctx = _spec_context(cfg, TrainSpec(**spec_json), progress and rank == 0)
+    plan = TrainPlan.from_json(plan_json)
+    spec = TrainSpec(**spec_json)
+    ctx = _spec_context(plan, spec, progress and rank == 0)
     ctx.device = rank_device()
-    return _result_json(_fit(ctx, TrainSpec(**spec_json), None), world)
+    return _result_json(_fit(ctx, plan, spec, None), world)
 
 
-def run_training(cfg: PipelineConfig, spec: TrainSpec, *, nproc: int = 1, on_epoch: EpochFn | None = None,
+def run_training(plan: TrainPlan, spec: TrainSpec, *, nproc: int = 1, on_epoch: EpochFn | None = None,
                  progress: bool = False) -> dict[str, Any]:
-    """Train one model as ``spec`` says, in this process (``nproc`` 1; ``on_epoch`` sees every epoch) or in
-    ``nproc`` data-parallel processes (torch DDP on this machine: one GPU per process on CUDA, gloo on CPU; the
-    epochs are returned in ``history``). Returns best/last checkpoints, best metric and epoch, history."""
+    """Train one model as ``spec`` says with ``plan``'s settings (:func:`captioning.training.recipe.train_plan`),
+    in this process (``nproc`` 1; ``on_epoch`` sees every epoch) or in ``nproc`` data-parallel processes (torch DDP
+    on this machine: one GPU per process on CUDA, gloo on CPU; the epochs are returned in ``history``). Returns
+    best/last checkpoints, best metric and epoch, history."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if nproc == 1:
-        ctx = _spec_context(cfg, spec, progress)
-        return _result_json(_fit(ctx, spec, on_epoch), 1)
+        ctx = _spec_context(plan, spec, progress)
+        return _result_json(_fit(ctx, plan, spec, on_epoch), 1)
     from dataclasses import asdict
 
     from captioning.training.ddp import launch
 
-    device = resolve_device(cfg.run.device)
-    return launch(train_rank, nproc, cfg.model_dump_json(), asdict(spec), progress,
+    device = resolve_device(plan.stage.device)
+    return launch(train_rank, nproc, plan.to_json(), asdict(spec), progress,
                   device="cuda" if device.type == "cuda" else "cpu")

@@ -3,8 +3,9 @@ torch's launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER
 
 Every process runs the same rank function as capflow's own launcher (:func:`captioning.training.stages.train_rank`,
 what ``capflow train --nproc N`` and ``teacher.nproc`` / ``students.nproc`` spawn on one machine), so the weights
-are the same for the same world size. The job - the config and the :class:`~captioning.training.stages.TrainSpec`
-with every path absolute - is a JSON file written by ``capflow train ... --nproc N --torchrun-job JOB.json``::
+are the same for the same world size. The job - the model's :class:`~captioning.training.recipe.TrainPlan` and the
+:class:`~captioning.training.stages.TrainSpec` with every path absolute - is a JSON file written by
+``capflow train ... --nproc N --torchrun-job JOB.json``::
 
     capflow train --preset P --model lw --nproc 16 --torchrun-job /shared/job.json
     # on each of the 2 nodes (8 processes each), the job, stores and checkpoint folder on shared storage or s3://
@@ -25,16 +26,20 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-JOB_FORMAT = "capflow-train-job/1"
+JOB_FORMAT = "capflow-train-job/2"
 
 
-def write_job(path: str | Path, cfg_json: str, spec: Any, nproc: int) -> Path:
-    """The job file of one training stage for ``nproc`` processes in all (the launcher's world size)."""
+def write_job(path: str | Path, plan: Any, spec: Any, nproc: int) -> Path:
+    """The job file of one training stage (its :class:`~captioning.training.recipe.TrainPlan` and spec) for
+    ``nproc`` processes in all (the launcher's world size)."""
+    from captioning.training.recipe import TrainPlan
     from captioning.training.stages import TrainSpec
 
     if not isinstance(spec, TrainSpec):
         raise TypeError(f"spec must be a TrainSpec, not {type(spec).__name__}")
-    doc = {"format": JOB_FORMAT, "nproc": nproc, "config": json.loads(cfg_json), "spec": asdict(spec)}
+    if not isinstance(plan, TrainPlan):
+        raise TypeError(f"plan must be a TrainPlan, not {type(plan).__name__}")
+    doc = {"format": JOB_FORMAT, "nproc": nproc, "plan": json.loads(plan.to_json()), "spec": asdict(spec)}
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
@@ -65,20 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from captioning.config import PipelineConfig
     from captioning.training import ddp
+    from captioning.training.recipe import TrainPlan
     from captioning.training.stages import train_rank
     from captioning.util import resolve_device
 
     job = read_job(args.job)
-    cfg = PipelineConfig.model_validate(job["config"])
-    device = resolve_device(cfg.run.device)
+    plan = TrainPlan.from_json(job["plan"])
+    device = resolve_device(plan.stage.device)
     rank, world = ddp.init_from_env(device="cuda" if device.type == "cuda" else "cpu")
     try:
         if world != job["nproc"]:  # the stage's folder and its data shards are those of nproc processes
             raise SystemExit(f"{args.job} was written for {job['nproc']} processes, this launch has {world}: "
                              f"write it with --nproc {world}, or launch {job['nproc']} processes")
-        out = train_rank(rank, world, cfg.model_dump_json(), job["spec"], False)
+        out = train_rank(rank, world, plan.to_json(), job["spec"], False)
     finally:
         dist.destroy_process_group()
     if rank == 0:

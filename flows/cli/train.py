@@ -159,13 +159,14 @@ def _write_torchrun_job(args: argparse.Namespace, cfg, spec, nproc: int) -> int:
     launcher's processes may start in other directories, on other nodes)."""
     import dataclasses
 
+    from captioning.training.recipe import train_plan
     from captioning.training.torchrun import write_job
     from tasks.fanout import absolute, worker_config
 
     spec = dataclasses.replace(spec, **{f.name: absolute(getattr(spec, f.name)) for f in dataclasses.fields(spec)
                                         if f.name in ("vocab_path", "labels_uri", "features_uri", "out", "init_from",
                                                       "scst_from", "dataset_path")})
-    path = write_job(args.torchrun_job, worker_config(cfg).model_dump_json(), spec, nproc)
+    path = write_job(args.torchrun_job, train_plan(worker_config(cfg), spec.model), spec, nproc)
     command = (f"torchrun --nnodes 1 --nproc-per-node {nproc} -m captioning.training.torchrun "
                f"{path.resolve()}")
     if args.json:

@@ -122,7 +122,7 @@ def test_students_nproc_2_in_the_pipeline_equals_capflow_train_nproc_2(harness, 
     (xe_last,) = work.glob("runs/student-lw-*/xe/last.pt")
     capsys.readouterr()
     args = ["--preset", "tiny", *(x for o in _overrides(work) for x in ("--set", o))]
-    assert main(["train", "--json", "--model", "lw", "--nproc", "2", *args]) == 0
+    assert main(["train", "--json", "--model", "lw", "--captions", "ground_truth", "--nproc", "2", *args]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["processes"] == 2
     a = torch.load(xe_last, weights_only=True)

@@ -59,7 +59,7 @@ def test_seqkd_adds_a_source_with_the_teachers_beam_captions(synth_ctx, teacher)
     for use, n_sources in (("ground_truth", 1), ("seqkd", 1), ("both", 2)):
         srcs = label_sources(ctx.labels, use, "seqkd:test")
         assert len(srcs) == n_sources
-        assert len(caption_dataset(ctx.source, ctx.labels, ctx.cfg, codec=None, sources=srcs)) == len(train_rows)
+        assert len(caption_dataset(ctx.source, ctx.labels, ctx.plan, codec=None, sources=srcs)) == len(train_rows)
     with pytest.raises(ValueError, match="no SeqKD source"):
         label_sources(ctx.labels, "seqkd", "missing")
 

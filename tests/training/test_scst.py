@@ -11,7 +11,7 @@ from captioning.decoding import sample
 from captioning.metrics.cider import CiderD
 from captioning.models.encoder_decoder import Captioner
 from captioning.training import checkpoint
-from captioning.training.recipe import student_arch, teacher_arch, xe_settings
+from captioning.training.recipe import stage_plan, student_arch, teacher_arch, xe_settings
 from captioning.training.scst import ScstLoss
 from captioning.training.stages import fit_scst, fit_xe
 
@@ -136,6 +136,7 @@ def test_scst_kill_and_resume_gives_identical_weights(synth_ctx, tmp_path):
     init = res.best_checkpoint
     cfg.students.scst.epochs = 2
     cfg.students.scst.samples = 3
+    ctx.plan = stage_plan(cfg)  # the stage functions read the plan, made from the config once
     _, r1 = fit_scst(ctx, init, tmp_path / "ref")
     assert r1.epochs_run == 2 and all("reward" in h for h in r1.history)
     steps_per_epoch = -(-len(ctx.rows("train")) // cfg.loader.batch_size)
@@ -159,6 +160,7 @@ def test_radix_student_scst_step(synth_ctx, tmp_path):
     assert arch.codec == "radix"
     _, res, _ = fit_xe(ctx, arch, tmp_path / "xe", settings=xe_settings(cfg.students.xe, cfg, epochs=1))
     cfg.students.scst.epochs = 1
+    ctx.plan = stage_plan(cfg)
     _, r = fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
     assert np.isfinite(r.history[0]["loss"]) and r.history[0]["reward"] >= 0
 
@@ -245,6 +247,7 @@ def test_scst_trains_with_dropout_off_by_default_and_records_it(family, synth_ct
     assert sc.dropout == 0.0
     monkeypatch.setattr(sc, "epochs", 1)
     monkeypatch.setattr(sc, "samples", 2)
+    ctx.plan = stage_plan(cfg)
     fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
     saved = checkpoint.load(tmp_path / "scst" / "last.pt")["arch"]
     assert saved["dropout"] == 0.0 and saved["input_dropout"] == 0.0
@@ -266,5 +269,6 @@ def test_scst_trains_with_dropout_off_by_default_and_records_it(family, synth_ct
         assert not torch.allclose(kept.forward(feats, boxes, mask, tokens), eval_lp, atol=1e-4)
 
     monkeypatch.setattr(sc, "dropout", None)
+    ctx.plan = stage_plan(cfg)
     fit_scst(ctx, res.best_checkpoint, tmp_path / "scst-kept")
     assert checkpoint.load(tmp_path / "scst-kept" / "last.pt")["arch"]["dropout"] == arch.dropout

@@ -27,7 +27,8 @@ def test_torchrun_two_processes_equal_capflows_launcher(tmp_path, capsys):
             for x in ("--set", o)]
     assert main(["extract", "--json", "--preset", "tiny", *args]) == 0
     capsys.readouterr()
-    assert main(["train", "--json", "--model", "lw", "--nproc", "2", "--preset", "tiny", *args]) == 0
+    assert main(["train", "--json", "--model", "lw", "--captions", "ground_truth", "--nproc", "2", "--preset", "tiny",
+                 *args]) == 0
     own = json.loads(capsys.readouterr().out)
     assert own["processes"] == 2
 
@@ -63,12 +64,13 @@ def test_a_job_for_another_world_size_is_refused(tmp_path):
     """A job written for 2 processes under a launch of 1: refused before training (its folder and data shards are
     those of 2 processes)."""
     from captioning.config import load_config
+    from captioning.training.recipe import train_plan
     from captioning.training.stages import TrainSpec
     from captioning.training.torchrun import write_job
 
     cfg = load_config("tiny", None, [f"run.workdir={tmp_path}"])
     spec = TrainSpec(model="lw", vocab_path="v", labels_uri="l", features_uri="f", out=str(tmp_path / "out"))
-    job = write_job(tmp_path / "job.json", cfg.model_dump_json(), spec, 2)
+    job = write_job(tmp_path / "job.json", train_plan(cfg, spec.model), spec, 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
