@@ -195,7 +195,7 @@ def test_capflow_extract_with_a_malicious_pkl_in_the_config(capsys, tmp_path, ma
     path = plant(tmp_path / "weights" / "model_final.pkl", marker)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"run:\n  workdir: {tmp_path / 'work'}\ndataset:\n  synthetic:\n    num_images: 10\n"
-                   f"features:\n  workers: 1\n  max_boxes: 12\n  extractor:\n    weights: {path}\n"
+                   f"features:\n  dask_workers: 1\n  max_boxes: 12\n  extractor:\n    weights: {path}\n"
                    "    model_config_file: COCO-Detection/faster_rcnn_R_50_C4_3x.yaml\n    device: cpu\n",
                    encoding="utf-8")
     rc, out, err = run(capsys, "extract", "--config", str(cfg), "--workers", "1", "--json")
