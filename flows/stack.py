@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from captioning.errors import InputError
+from captioning.locks import pid_alive
 
 log = logging.getLogger("capflow.stack")
 
@@ -80,14 +81,8 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
 
 
 def _alive(pid: int | None) -> bool:
-    if not pid:
+    if not pid or not pid_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     try:  # a zombie child of ours counts as dead
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
