@@ -51,6 +51,27 @@ class RunConfig(Section):
         if "\0" in v:
             raise ValueError("run.workdir holds a NUL byte")
         return v
+    store: str | None = Field(
+        None, description="Object store (s3://bucket/prefix, or a folder) holding every stage output a worker reads "
+        "or writes - records, label stores, checkpoints, model folders, the feature stores unless features.store "
+        "names a folder, and the images extraction workers decode: workers then need no shared filesystem, and "
+        "the workdir is a local cache of it; unset: the workdir only"
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _store_uri(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        v = v.strip()
+        if not v or "\0" in v:
+            raise ValueError("run.store is empty or holds a NUL byte: give s3://bucket/prefix or a folder, or leave "
+                             "it out")
+        if "://" in v and not v.startswith(("s3://", "file://")):
+            raise ValueError(f"run.store {v!r}: only s3:// URIs and local folders are supported")
+        if v.startswith("s3://") and not v[len("s3://"):].strip("/"):
+            raise ValueError("run.store s3:// names no bucket")
+        return v.rstrip("/")
     name: str = Field("capflow", description="Name of this pipeline (MLflow experiment name)")
     seed: int = Field(0, description="Global random seed (data shuffling, initialisation, sampling)")
     parallel_students: int = Field(
@@ -416,10 +437,15 @@ class PipelineConfig(Section):
         return Path(self.run.workdir)
 
     def feature_store_uri(self) -> str:
-        """The folder holding feature stores (``features.store``, else ``<workdir>/features``)."""
+        """The folder holding feature stores (``features.store``, else ``<run.store>/features``, else
+        ``<workdir>/features``)."""
         from captioning.workdir import Workdir
 
-        return self.features.store or str(Workdir.of(self).default_features())
+        if self.features.store:
+            return self.features.store
+        if self.run.store:
+            return f"{self.run.store}/features"
+        return str(Workdir.of(self).default_features())
 
     def digest(self, section: str | None = None) -> str:
         """Stable sha256 of the whole config or of one dotted section (cache keys, lineage tags)."""

@@ -9,15 +9,18 @@ or chunk status). The key covers everything a stage writes, so a cached stage ne
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 from captioning.data.stores import CorruptDataError
+from captioning.objectstore import ObjectStoreError
 from captioning.util import atomic_write
 from captioning.workdir import Workdir
 from tasks.refs import RecordMismatch, Ref
@@ -77,12 +80,36 @@ def stage_key(stage: str, **parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-class StageCache:
-    """Stage records under ``<workdir>/stages/``: the typed result (:mod:`tasks.refs`) of each finished stage."""
+#: the fields of the stage results that hold a file path or a store URI
+PATH_FIELDS = frozenset({"path", "rejects_path", "uri", "vocab_path", "labels_uri", "features_uri", "checkpoint",
+                         "predictions", "references"})
+#: how a record on the run store names a path inside the workdir (each reader's own workdir)
+PORTABLE = "@run/"
+#: workdir folders published whole, by their first two path components (a stage folder, a store, a dataset's images)
+TREE_ROOTS = ("runs", "features", "synthetic")
 
-    def __init__(self, workdir: str | Path):
+
+class StageCache:
+    """Stage records under ``<workdir>/stages/``: the typed result (:mod:`tasks.refs`) of each finished stage.
+
+    With a run store (``run.store``, :class:`captioning.objectstore.ObjectStore`) the workdir is a local cache of
+    it: a finished stage publishes the workdir folders its result names (``runs/<stage>-<key16>/``, a dataset file,
+    a feature store) and then its record, with those paths relative to the workdir (``@run/...``); a record found
+    only on the store is materialised - folders fetched, paths made this workdir's - before it is returned. A stage
+    folder is fetched when the stage starts (a killed attempt on another machine resumes from its checkpoints) and
+    published again by :meth:`sync` (after every epoch)."""
+
+    def __init__(self, workdir: str | Path, store: Any = None):
+        from captioning.objectstore import ObjectStore
+
         self.workdir_layout = Workdir(workdir)
         self.root = self.workdir_layout.stages()
+        self.store = ObjectStore(store) if isinstance(store, str) else store
+
+    @classmethod
+    def of(cls, cfg: Any) -> StageCache:
+        """The stage cache of a config: its workdir, and its run store when ``run.store`` is set."""
+        return cls(cfg.run.workdir, cfg.run.store)
 
     def path(self, stage: str, key: str) -> Path:
         return self.workdir_layout.record(stage, key)
@@ -91,7 +118,7 @@ class StageCache:
         """The recorded result of ``stage`` under ``key``, or None (never run, another key, another shape)."""
         p = self.path(stage, key)
         if not p.exists():
-            return None
+            return self._from_store(stage, key, kind)
         doc = read_record(p)
         if doc["key"] != key:
             return None
@@ -102,6 +129,14 @@ class StageCache:
             return None
 
     def put(self, stage: str, key: str, result: Ref) -> None:
+        self._write_local(stage, key, result)
+        if self.store is not None:
+            for tree in self.trees(result):  # the outputs first: a record on the store names only complete trees
+                self.store.publish(tree, self.workdir_layout.root / tree)
+            self.store.put_json(self._store_name(stage, key), {"stage": stage, "key": key,
+                                                               "result": self.portable(result).to_record()})
+
+    def _write_local(self, stage: str, key: str, result: Ref) -> None:
         p = self.path(stage, key)
         p.parent.mkdir(parents=True, exist_ok=True)
         doc = json.dumps({"stage": stage, "key": key, "result": result.to_record()}, default=str)
@@ -111,27 +146,126 @@ class StageCache:
         """Drop the record and the folder of ``stage`` under ``key`` (the stage then runs from scratch, not from
         its checkpoints)."""
         self.path(stage, key).unlink(missing_ok=True)
-        shutil.rmtree(self.workdir_layout.stage_dir(stage, key), ignore_errors=True)
+        folder = self.workdir_layout.stage_dir(stage, key)
+        shutil.rmtree(folder, ignore_errors=True)
+        if self.store is not None:
+            self.store.delete(self._store_name(stage, key))
+            self.store.delete(self.store._manifest_name(self._relative(str(folder)) or ""))
 
     def latest(self, stage: str, kind: type[R]) -> R | None:
         """The most recently written readable record of ``stage`` (what single-stage commands fall back to);
-        ``stage`` may end in ``*`` (``student-*``: any student)."""
-        if not self.root.is_dir():
-            return None
+        ``stage`` may end in ``*`` (``student-*``: any student). The workdir's records first, then the store's."""
         prefix = stage[:-1] if stage.endswith("*") else None
-        pattern = f"{prefix}*.json" if prefix is not None else f"{stage}-*.json"
-        for p in sorted(self.root.glob(pattern), key=lambda q: q.stat().st_mtime, reverse=True):
-            try:
-                doc = read_record(p)
-                name = str(doc.get("stage", ""))
-                if name == stage or (prefix is not None and name.startswith(prefix)):
-                    return kind.from_record(doc["result"])
-            except (StageRecordError, RecordMismatch):
+        if self.root.is_dir():
+            pattern = f"{prefix}*.json" if prefix is not None else f"{stage}-*.json"
+            for p in sorted(self.root.glob(pattern), key=lambda q: q.stat().st_mtime, reverse=True):
+                try:
+                    doc = read_record(p)
+                    name = str(doc.get("stage", ""))
+                    if name == stage or (prefix is not None and name.startswith(prefix)):
+                        return kind.from_record(doc["result"])
+                except (StageRecordError, RecordMismatch):
+                    continue
+        if self.store is None:
+            return None
+        for name, _ in self.store.documents("stages"):
+            base = name.rsplit("/", 1)[-1]
+            if not base.startswith(prefix if prefix is not None else f"{stage}-"):
                 continue
+            doc = self.store.get_json(name)
+            if not isinstance(doc, dict) or not isinstance(doc.get("result"), dict):
+                continue
+            got = str(doc.get("stage", ""))
+            if got == stage or (prefix is not None and got.startswith(prefix)):
+                try:
+                    return self.materialise(kind.from_record(doc["result"]))
+                except RecordMismatch:
+                    continue
         return None
 
     def workdir(self, stage: str, key: str) -> Path:
-        """A private folder for the stage's outputs (checkpoints), stable across re-runs with the same key."""
+        """A private folder for the stage's outputs (checkpoints), stable across re-runs with the same key; with a
+        run store, what an earlier attempt published of it is fetched first."""
         d = self.workdir_layout.stage_dir(stage, key)
+        if self.store is not None:
+            rel = self._relative(str(d))
+            if rel and self.store.fetch(rel, d):
+                log.info("%s: resumed from %s", d, self.store.uri)
         d.mkdir(parents=True, exist_ok=True)
         return d
+
+    def sync(self, path: str | Path) -> None:
+        """Publish the workdir tree holding ``path`` to the run store again (nothing without one)."""
+        if self.store is None:
+            return
+        rel = self._relative(str(path))
+        if rel is not None:
+            tree = self._tree(rel)
+            self.store.publish(tree, self.workdir_layout.root / tree)
+
+    # ------------------------------------------------------------------ the run store's form of a record
+    def _store_name(self, stage: str, key: str) -> str:
+        return f"stages/{self.path(stage, key).name}"
+
+    def _from_store(self, stage: str, key: str, kind: type[R]) -> R | None:
+        if self.store is None:
+            return None
+        doc = self.store.get_json(self._store_name(stage, key))
+        if doc is None:
+            return None
+        if not (isinstance(doc, dict) and doc.get("key") == key and isinstance(doc.get("result"), dict)):
+            log.warning("%s/%s is not a record of this stage; the stage runs again", self.store.uri,
+                        self._store_name(stage, key))
+            return None
+        try:
+            result = self.materialise(kind.from_record(doc["result"]))
+        except RecordMismatch as e:
+            log.warning("%s/%s: %s; the stage runs again", self.store.uri, self._store_name(stage, key), e)
+            return None
+        self._write_local(stage, key, result)
+        return result
+
+    def _relative(self, value: str) -> str | None:
+        """``value`` relative to the workdir (posix), or None: a URI, or a path outside it."""
+        if not value or "://" in value:
+            return None
+        root = os.path.abspath(self.workdir_layout.root)
+        p = os.path.abspath(value)
+        if p == root or not p.startswith(root + os.sep):
+            return None
+        return Path(os.path.relpath(p, root)).as_posix()
+
+    @staticmethod
+    def _tree(rel: str) -> str:
+        """The tree a workdir path belongs to: ``runs/<stage>-<key>``, ``features/<store>``, ... or the file."""
+        parts = rel.split("/")
+        return "/".join(parts[:2]) if parts[0] in TREE_ROOTS and len(parts) > 1 else rel
+
+    def _paths(self, ref: Ref) -> dict[str, str]:
+        return {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref)
+                if f.name in PATH_FIELDS and isinstance(getattr(ref, f.name), str)}
+
+    def trees(self, ref: Ref) -> list[str]:
+        """The workdir trees a result names (what must be on the store before its record)."""
+        rels = [r for v in self._paths(ref).values() if (r := self._relative(v)) is not None]
+        return sorted({self._tree(r) for r in rels})
+
+    def portable(self, ref: R) -> R:
+        """``ref`` with its paths inside the workdir written ``@run/<relative path>``."""
+        fields = {k: PORTABLE + r for k, v in self._paths(ref).items() if (r := self._relative(v)) is not None}
+        return dataclasses.replace(ref, **fields) if fields else ref
+
+    def materialise(self, ref: R) -> R:
+        """A portable ``ref`` made this workdir's: the trees it names fetched from the run store, its
+        ``@run/...`` paths under this workdir."""
+        rels = {k: v[len(PORTABLE):] for k, v in self._paths(ref).items() if v.startswith(PORTABLE)}
+        if not rels:
+            return ref
+        if self.store is None:
+            raise ObjectStoreError(f"a {type(ref).__name__} names run-store paths ({sorted(rels.values())}) but "
+                                   "no run.store is configured")
+        root = self.workdir_layout.root
+        for tree in sorted({self._tree(r) for r in rels.values()}):
+            if not self.store.fetch(tree, root / tree):
+                raise ObjectStoreError(f"{self.store.uri} has no {tree}, which a {type(ref).__name__} names")
+        return dataclasses.replace(ref, **{k: str(root / r) for k, r in rels.items()})

@@ -39,7 +39,7 @@ class RunContext:
     @classmethod
     def local(cls, cfg: PipelineConfig, progress: bool = False, rerun: frozenset[str] = frozenset()) -> RunContext:
         """The context of a single-stage command: the pipeline's workdir layout and stage records, no MLflow."""
-        return cls(cfg, LocalRecorder(cfg), "", StageCache(cfg.workdir), progress, rerun=rerun)
+        return cls(cfg, LocalRecorder(cfg), "", StageCache.of(cfg), progress, rerun=rerun)
 
     @classmethod
     @contextlib.contextmanager
@@ -54,7 +54,7 @@ class RunContext:
         with tracker.run(name, tags=tags) as parent:
             tracker.params(parent, cfg.model_dump(mode="json"))
             tracker.text_artifact(parent, "config.yaml", config_yaml(cfg))  # credentials redacted
-            rc = cls(cfg, tracker, parent, StageCache(cfg.workdir), progress, rerun=rerun)
+            rc = cls(cfg, tracker, parent, StageCache.of(cfg), progress, rerun=rerun)
             yield rc
             tracker.tags(parent, {"stages": ",".join(f"{k}={v}" for k, v in rc.stages.items())})
 

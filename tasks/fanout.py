@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prefect import task
@@ -34,12 +35,11 @@ from prefect.cache_policies import NO_CACHE
 from captioning.config import PipelineConfig
 from captioning.errors import InfrastructureError
 from captioning.util import usable_cpus
+from tasks.cache import PATH_FIELDS
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 
 log = logging.getLogger("capflow.pipeline")
 R = TypeVar("R")
-# the fields of the stage results that hold a file path or a store URI
-PATH_FIELDS = frozenset({"path", "rejects_path", "uri", "vocab_path", "labels_uri", "features_uri", "checkpoint"})
 
 
 class SchedulerUnavailable(InfrastructureError, RuntimeError):
@@ -120,7 +120,23 @@ def worker_config(cfg: PipelineConfig) -> PipelineConfig:
     d["dataset"]["images"] = absolute(d["dataset"]["images"])
     spice = d["evaluation"]["spice_jars"] or os.environ.get(SPICE_ENV)
     d["evaluation"]["spice_jars"] = absolute(os.path.expanduser(spice)) if spice else None
+    d["run"]["store"] = absolute(d["run"]["store"])
     return PipelineConfig.model_validate(d)
+
+
+def worker_workdir(store: str) -> Path:
+    """Where a worker keeps its local copy of a run store: in the Dask worker's own local directory (outside a
+    worker: the temporary folder), one folder per store."""
+    import hashlib
+    import tempfile
+
+    try:
+        from distributed import get_worker
+
+        base = Path(get_worker().local_directory)
+    except (ImportError, ValueError):
+        base = Path(tempfile.gettempdir())
+    return base / "capflow-run-store" / hashlib.sha256(store.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -133,19 +149,21 @@ class StudentJob:
     data: DatasetRef
     feats: FeaturesRef
     labels: LabelsRef
-    teacher: TeacherRef
-    kd: SeqKDRef
+    teacher: TeacherRef | None
+    kd: SeqKDRef | None
     scst: bool
     threads: int
 
 
 def student_job(rc: Any, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef, teacher: TeacherRef,
                 kd: SeqKDRef, scst: bool) -> StudentJob:
-    """The flow's side: one student's job for a worker (see :class:`StudentJob`)."""
+    """The flow's side: one student's job for a worker (see :class:`StudentJob`). With a run store the stage
+    results name workdir paths relative to it (``@run/...``): the worker fetches them into its own copy."""
+    local = absolute_paths if rc.cache.store is None else rc.cache.portable
     return StudentJob(cfg_json=worker_config(rc.cfg).model_dump_json(), tracking_uri=rc.tracker.uri,
-                      parent_run=rc.parent_run, name=name, data=absolute_paths(data), feats=absolute_paths(feats),
-                      labels=absolute_paths(labels), teacher=absolute_paths(teacher), kd=kd, scst=scst,
-                      threads=student_threads(rc.cfg))
+                      parent_run=rc.parent_run, name=name, data=local(data), feats=local(feats),
+                      labels=local(labels), teacher=local(teacher) if teacher is not None else None, kd=kd,
+                      scst=scst, threads=student_threads(rc.cfg))
 
 
 def student_on_worker(job: StudentJob) -> tuple[StudentResult | StudentFailure, str]:
@@ -170,6 +188,8 @@ def student_on_worker(job: StudentJob) -> tuple[StudentResult | StudentFailure, 
             "filesystem at the same path, or record into a tracking server (MLFLOW_TRACKING_URI / "
             "tracking.tracking_uri = http(s)://...)")), "failed"
     cfg = PipelineConfig.model_validate_json(job.cfg_json)
+    if cfg.run.store:  # nothing of the flow's filesystem: this worker's own copy of the run store
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"workdir": str(worker_workdir(cfg.run.store))})})
     if cfg.students.nproc > 1 and multiprocessing.current_process().daemon:
         return StudentFailure(student=job.name, error=(
             f"students.nproc={cfg.students.nproc} starts data-parallel processes, which this Dask worker (a daemonic "
@@ -178,9 +198,17 @@ def student_on_worker(job: StudentJob) -> tuple[StudentResult | StudentFailure, 
     torch.set_num_threads(job.threads)
     if torch.cuda.is_available():  # one GPU per worker (LocalCluster: as many workers as GPUs at most)
         torch.cuda.set_device(_worker_index() % torch.cuda.device_count())
-    rc = RunContext(cfg, Tracker(cfg, uri=job.tracking_uri), job.parent_run, StageCache(cfg.workdir))
-    res = student(rc, job.name, job.data, job.feats, job.labels, job.teacher, job.kd, job.scst)
+    cache = StageCache.of(cfg)
+    rc = RunContext(cfg, Tracker(cfg, uri=job.tracking_uri), job.parent_run, cache)
+    try:
+        data, feats, labels = (cache.materialise(r) for r in (job.data, job.feats, job.labels))
+        teacher = cache.materialise(job.teacher) if job.teacher is not None else None
+    except Exception as e:  # the run store is unreachable or lacks what the flow published
+        return StudentFailure(student=job.name, error=f"{type(e).__name__}: {e}"), "failed"
+    res = student(rc, job.name, data, feats, labels, teacher, job.kd, job.scst)
     state = "failed" if isinstance(res, StudentFailure) else rc.stages.get(f"student-{job.name}", "ran")
+    if cache.store is not None and isinstance(res, StudentResult):
+        res = cache.portable(res)  # the flow fetches the student's folder from the store
     return res, state
 
 
@@ -196,6 +224,12 @@ def student_remote(rc: Any, client: Any, name: str, data: DatasetRef, feats: Fea
     except Exception as e:  # the worker died more often than distributed.scheduler.allowed-failures
         log.error("student %s: its Dask task failed: %s", name, e)
         res, state = StudentFailure(student=name, error=f"{type(e).__name__}: {e}"), "failed"
+    if isinstance(res, StudentResult):
+        try:
+            res = rc.cache.materialise(res)  # a run store's result: its folder fetched into the flow's workdir
+        except Exception as e:
+            log.error("student %s: its outputs cannot be fetched from the run store: %s", name, e)
+            res, state = StudentFailure(student=name, error=f"{type(e).__name__}: {e}"), "failed"
     rc.stages[f"student-{name}" if state != "failed" else f"student:{name}"] = state
     return res
 

@@ -266,6 +266,17 @@ def promote(rc: RunContext, board: dict[str, Any], test_set: str, data: DatasetR
     ``data``, ``feats`` and ``labels``)."""
     rows = board["leaderboard"]
     cur_version, cur_tags = rc.tracker.champion() if rows else (None, {})
+    best_version = rows[0]["model_version"] if rows else None
+    if best_version is not None and not rc.tracker.has_version(best_version):
+        decision = Promotion(
+            changed=False, champion_version=cur_version, previous_version=cur_version, candidate=rows[0]["student"],
+            candidate_version=best_version, candidate_cider=rows[0]["metrics"].get("CIDEr"),
+            reason=f"the best student's version v{best_version} is not registered in this tracking store "
+                   f"({rc.tracker.uri}): its result was cached from a run store that another tracking store recorded "
+                   "(runs sharing a run.store should share a tracking server)")
+        log.warning("promotion: %s", decision.reason)
+        rc.tracker.json_artifact(rc.parent_run, "promotion.json", decision.to_record())
+        return decision
     rescored = None
     if (rows and cur_version is not None and cur_version != rows[0]["model_version"]
             and cur_tags.get("test_set") != test_set):

@@ -419,6 +419,13 @@ class Tracker:
         mv = retry(lambda: self.client.get_model_version(name, str(aliases["champion"])), "get champion version")
         return str(mv.version), dict(mv.tags)
 
+    def has_version(self, version: str) -> bool:
+        """Whether this tracking store's registered model has ``version`` (a cached result from a run store may
+        name a version another tracking store registered)."""
+        name = self.cfg.tracking.model_name
+        return retry(lambda: _absent_as_none(lambda: self.client.get_model_version(name, str(version))),
+                     "get model version") is not None
+
     def set_champion(self, version: str) -> None:
         retry(lambda: self.client.set_registered_model_alias(self.cfg.tracking.model_name, "champion", version),
               "set alias")

@@ -82,9 +82,19 @@ class EpochLogger:
 
 
 def _train(rc: RunContext, run: str, spec: TrainSpec, nproc: int) -> dict[str, Any]:
-    """Train; per-epoch metrics go to ``run`` as they come (one process) or from the history (DDP)."""
+    """Train; per-epoch metrics go to ``run`` as they come (one process) or from the history (DDP). With a run
+    store, the stage folder is published after every epoch (one process) and at the end: an attempt killed on one
+    machine resumes on another from its last epoch."""
     logger = EpochLogger(rc, run) if nproc == 1 else None
-    res = run_training(train_plan(rc.cfg, spec.model), spec, nproc=nproc, on_epoch=logger, progress=rc.progress)
+
+    def epoch_done(epoch: int, metrics: dict[str, Any]) -> None:
+        assert logger is not None
+        logger(epoch, metrics)
+        rc.cache.sync(spec.out)
+
+    res = run_training(train_plan(rc.cfg, spec.model), spec, nproc=nproc, on_epoch=epoch_done if logger else None,
+                       progress=rc.progress)
+    rc.cache.sync(spec.out)
     if logger is not None:
         logger.flush()  # what the tracker missed during training; raises if it is still down
     if nproc > 1:
@@ -137,6 +147,7 @@ def seqkd_captions(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels:
             model, _ = load_model(teacher.checkpoint, device=ctx.device)
             report = seqkd(ctx, model, name).to_json()
         digest = LabelStore.open(labels.labels_uri).digest()
+        rc.cache.sync(labels.labels_uri)  # the label store with its new source, on the run store when there is one
         rc.tracker.dataset(run, "seqkd-captions", digest, labels.labels_uri, "output",
                            {k: v for k, v in report.items() if k != "source"})
         rc.tracker.metrics(run, report)
@@ -247,7 +258,7 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
             weights_cache_dir=rc.workdir.weights_cache())  # the extraction's weights cache
         # ... as an MLflow Model: a LoggedModel of this run, its test metrics measured on the dataset's test split
         model_id = rc.tracker.log_model(
-            run, model_dir, name=pname, example=_example_image(cfg, ctx.dataset),
+            run, model_dir, name=pname, example=_example_image(cfg, ctx.dataset, rc),
             params={"student": name, "preset": pname, "beam": cfg.evaluation.beam,
                     "max_words": cfg.dataset.max_words, "arch": arch.to_dict()},
             tags={"capflow.student": name, "capflow.preset": pname, "capflow.arch": name,
@@ -268,13 +279,24 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
         distinct_captions=ev["distinct_captions"], repeated_token_rate=ev["repeated_token_rate"]))
 
 
-def _example_image(cfg, ds: Dataset | None):
-    """A real image for the MLflow Model's input example: the first usable test image (None: no image files)."""
+def _example_image(cfg, ds: Dataset | None, rc: RunContext | None = None):
+    """A real image for the MLflow Model's input example: the first usable test image (None: no image files). A
+    worker that cannot see the dataset's files takes it from the run store, where extraction put the images."""
     from tasks.mlflow_models import example_image
 
     if ds is None or ds.images_root is None or cfg.features.source != "detector":
         return None  # a model of synthetic-informative features does not caption pixels
-    return example_image([ds.image_path(e) for e in ds.split("test")[:8]])
+    entries = ds.split("test")[:8]
+    found = example_image([ds.image_path(e) for e in entries])
+    store = rc.cache.store if rc is not None else None
+    if found is None and store is not None:
+        for e in entries:
+            if e.sha256 and store.has_blob(e.sha256):
+                local = store.get_blob(e.sha256, rc.workdir.root / "cache" / "examples" / f"{e.sha256[:16]}"
+                                       f"{Path(e.file).suffix}")
+                if (found := example_image([local])) is not None:
+                    break
+    return found
 
 
 def _log_trained_model(rc: RunContext, run: str, best: str | Path, name: str, vocab_path: str,
@@ -294,7 +316,7 @@ def _log_trained_model(rc: RunContext, run: str, best: str | Path, name: str, vo
         step=st["step"], weights_cache_dir=rc.workdir.weights_cache())
     model_id = rc.tracker.log_model(
         run, model_dir, name=name if name in TEACHER_NAMES else preset,
-        example=_example_image(cfg, Dataset.load(dataset_path) if dataset_path else None),
+        example=_example_image(cfg, Dataset.load(dataset_path) if dataset_path else None, rc),
         params={"student": name, "preset": preset, "beam": cfg.evaluation.beam, "max_words": cfg.dataset.max_words,
                 "arch": st["arch"]},
         tags={"capflow.student": name, "capflow.preset": preset, "capflow.arch": preset,

@@ -258,13 +258,71 @@ def _checkpoint(path: Path, repair: bool, records: list[Path]) -> Finding:
                    ": the stage that wrote it trains again")
 
 
+def _run_store(uri: str, repair: bool, res: VerifyResult) -> None:
+    """A run store (``run.store``): every stage record parses, every workdir tree it names has its manifest and
+    every blob of it is there with the content its name says; a recorded checkpoint digest is its blob's. Repair
+    removes a damaged record (its stage runs again; a damaged tree's manifest goes with it)."""
+    from captioning.objectstore import ObjectStore, ObjectStoreError
+    from tasks.cache import PORTABLE, TREE_ROOTS
+
+    store = ObjectStore(uri)
+    trees: dict[str, list[str]] = {}
+    for name, _ in store.documents("stages"):
+        where = f"{uri}/{name}"
+        try:
+            doc = store.get_json(name)
+            if not (isinstance(doc, dict) and isinstance(doc.get("key"), str) and isinstance(doc.get("result"), dict)):
+                raise ObjectStoreError("not a stage record")
+        except ObjectStoreError as e:
+            if repair:
+                store.delete(name)
+                res.findings.append(Finding(where, "stage record", "repaired", str(e), "removed: the stage runs again"))
+            else:
+                res.findings.append(Finding(where, "stage record", "damaged", str(e),
+                                            "`capflow verify --repair` removes it"))
+            continue
+        problems = []
+        result = doc["result"]
+        for v in result.values():
+            if isinstance(v, str) and v.startswith(PORTABLE):
+                rel = v[len(PORTABLE):]
+                parts = rel.split("/")
+                tree = "/".join(parts[:2]) if parts[0] in TREE_ROOTS and len(parts) > 1 else rel
+                if tree not in trees:
+                    trees[tree] = store.check([tree])
+                problems += trees[tree]
+                digest = result.get("checkpoint_digest")
+                if v == result.get("checkpoint") and isinstance(digest, str) and not trees[tree]:
+                    files = store.manifest(tree) or {}
+                    inner = rel[len(tree) + 1:] if rel != tree else ""
+                    if inner in files and files[inner][0] != digest:
+                        problems.append(f"{rel}: stored with sha256 {files[inner][0][:12]}..., "
+                                        f"recorded {digest[:12]}...")
+        if not problems:
+            res.findings.append(Finding(where, "stage record", "ok"))
+        elif repair:
+            store.delete(name)
+            res.findings.append(Finding(where, "stage record", "repaired", "; ".join(problems[:5]),
+                                        "removed: the stage runs again"))
+        else:
+            res.findings.append(Finding(where, "stage record", "damaged", "; ".join(problems[:5]),
+                                        "`capflow verify --repair` removes it (the stage runs again)"))
+    if repair:
+        for tree, problems in trees.items():
+            if problems:
+                store.delete(store._manifest_name(tree))
+
+
 # ---------------------------------------------------------------------- entry point
-def verify(paths: Sequence[str | Path], *, repair: bool = False, workdirs: Sequence[str | Path] = ()
-           ) -> VerifyResult:
+def verify(paths: Sequence[str | Path], *, repair: bool = False, workdirs: Sequence[str | Path] = (),
+           run_store: str | None = None) -> VerifyResult:
     """Check ``paths`` (folders are searched: stores, ``stages/*.json``, ``*.pt``; or single stores, records,
-    checkpoints). ``workdirs``: whose stage records a repair may remove (besides those found under ``paths``)."""
+    checkpoints) and the run store ``run_store`` (its records and the trees they name). ``workdirs``: whose stage
+    records a repair may remove (besides those found under ``paths``)."""
     t0 = time.perf_counter()
     res = VerifyResult()
+    if run_store:
+        _run_store(run_store, repair, res)
     stores: list[str] = []
     records: list[Path] = []
     ckpts: list[Path] = []
@@ -304,7 +362,7 @@ def verify(paths: Sequence[str | Path], *, repair: bool = False, workdirs: Seque
 def default_paths(cfg) -> list[str]:
     """What ``capflow verify`` checks without paths: the config's workdir, plus its feature store folder when
     that lies elsewhere (a remote one: the store of the configured settings)."""
-    paths = [str(cfg.workdir)]
+    paths = [str(cfg.workdir)] if Path(cfg.workdir).is_dir() or not cfg.run.store else []
     base = cfg.feature_store_uri()
     if "://" in base:
         from captioning.features.parallel import store_uri

@@ -263,8 +263,12 @@ def extract_chunks(
     feature_dim: int,
     threads: int | None = None,
     cache_dir: str | None = None,
+    image_store: str | None = None,
 ) -> list[ChunkResult]:
     """Extract and write whole chunks, streaming their images through one model. Idempotent per chunk.
+
+    An item's path ``blob:<sha256>`` is an image read from the run store ``image_store`` (a worker that cannot see
+    the flow's files; :func:`publish_images`).
 
     The images of all ``chunks`` flow through :meth:`RegionExtractor.stream` (decoding ahead on threads or
     processes, batches across chunk boundaries, box selection overlapped with the device); a chunk is written (by
@@ -272,6 +276,7 @@ def extract_chunks(
     chunks in flight.
     """
     from captioning.features.images import load_rgb
+    from captioning.features.stored_images import BLOB, load_stored
 
     store = FeatureStore.open(uri, mode="r+")
     ex_cfg = ExtractorConfig.model_validate_json(ex_json)
@@ -294,7 +299,14 @@ def extract_chunks(
                 if w is None:
                     continue
                 for k, (_, path) in enumerate(items):
-                    if w.pending[k]:  # a partial, not a lambda: loader processes receive it pickled
+                    if not w.pending[k]:
+                        continue
+                    # a partial, not a lambda: loader processes receive it pickled
+                    if path.startswith(BLOB) and image_store:
+                        yield (chunk, k), functools.partial(load_stored, image_store, path[len(BLOB):],
+                                                            min_side=ex_cfg.min_image_side,
+                                                            max_pixels=ex_cfg.max_image_pixels)
+                    else:
                         yield (chunk, k), functools.partial(load_rgb, path, min_side=ex_cfg.min_image_side,
                                                             max_pixels=ex_cfg.max_image_pixels)
 
@@ -508,6 +520,14 @@ def extract_features(
     threads = threads_per_worker or f.extractor.torch_threads
     args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, _absolute(str(Workdir.of(cfg).weights_cache())))
     todo = [(c, [(row, _absolute(path)) for row, path in items]) for c, items in todo]
+    image_store = None
+    if cfg.run.store and f.dask_address and client is None and todo:
+        # an external cluster under a run store shares no files with this machine: the images go through the store
+        from captioning.features.stored_images import publish_images
+
+        image_store = _absolute(cfg.run.store)
+        todo = publish_images(image_store, ds, todo)
+        args = (*args[:-1], None)  # the workers' own weights cache
     uri = _absolute(store.uri)
     skipped = store.num_chunks - len(todo)
     extracted = 0
@@ -541,7 +561,7 @@ def extract_features(
                 gpu = _gpu_resources(client)
                 resources = {"GPU": 1} if gpu else None
                 n = max(1, len(client.scheduler_info().get("workers", {})))
-                futures = [client.submit(extract_chunks, uri, group, *args,
+                futures = [client.submit(extract_chunks, uri, group, *args, image_store=image_store,
                                          key=f"extract-{uri}-{group[0][0]}-{group[-1][0]}",
                                          resources=resources, pure=False)
                            for group in _groups(todo, _chunks_per_task(len(todo), n, gpu))]

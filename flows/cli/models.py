@@ -82,7 +82,7 @@ def _recorded_predictions(args: argparse.Namespace) -> tuple[str, str]:
     from tasks.refs import StudentResult
 
     cfg = load_cfg(args)
-    cache = StageCache(cfg.workdir)
+    cache = StageCache.of(cfg)
     rec = cache.latest(f"student-{args.student}" if args.student else "student-*", StudentResult)
     if rec is None:
         who = f"student {args.student!r}" if args.student else "any student"

@@ -28,10 +28,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from tasks.verify import default_paths, format_text, verify
 
     cfg = load_cfg(args)
-    if not args.paths and not cfg.workdir.is_dir():
+    if not args.paths and not cfg.workdir.is_dir() and not cfg.run.store:
         raise CLIError(f"run.workdir {cfg.workdir} does not exist: nothing to verify (give paths or --set "
                        "run.workdir=)")
-    res = verify(args.paths or default_paths(cfg), repair=args.repair, workdirs=[cfg.workdir])
+    res = verify(args.paths or default_paths(cfg), repair=args.repair, workdirs=[cfg.workdir],
+                 run_store=None if args.paths else cfg.run.store)
     if args.json:
         print_json(res.to_json())
     else:

@@ -1,0 +1,49 @@
+"""Images that reach extraction workers through the run store (``run.store``) instead of a shared filesystem: the
+flow stores each pending image once, by content, and a chunk item names it ``blob:<sha256>``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from captioning.data.karpathy import Dataset
+
+BLOB = "blob:"  # a chunk item's image read from the run store by its sha256
+
+
+def load_stored(store_uri: str, sha: str, *, min_side: int, max_pixels: int):
+    """An image of the run store decoded like a file (:func:`load_rgb`); the local copy is removed afterwards. A
+    store that cannot give the image raises (the chunk's task fails and runs again), it is not a rejected image."""
+    import tempfile
+
+    from captioning.features.images import load_rgb
+    from captioning.objectstore import ObjectStore
+
+    scratch = Path(tempfile.gettempdir()) / "capflow-images"
+    path = ObjectStore(store_uri).get_blob(sha, scratch / f"{sha}.{os.getpid()}")
+    try:
+        return load_rgb(path, min_side=min_side, max_pixels=max_pixels)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def publish_images(store_uri: str, ds: Dataset,
+                   todo: list[tuple[int, list[tuple[int, str]]]]) -> list[tuple[int, list[tuple[int, str]]]]:
+    """The images of ``todo`` stored on the run store (each once: blobs are named by content) and the items
+    rewritten ``blob:<sha256>``, for workers that share nothing with this machine but the store. An image this
+    machine cannot read keeps its path (the worker rejects it as missing)."""
+    from captioning.objectstore import ObjectStore
+
+    store = ObjectStore(store_uri)
+    store.stored_blobs()
+    sha = {e.image_id: e.sha256 for e in ds.images}
+    out = []
+    for c, items in todo:
+        rewritten = []
+        for row, path in items:
+            try:
+                rewritten.append((row, BLOB + store.put_blob(path, sha.get(row) or None)))
+            except OSError:
+                rewritten.append((row, path))
+        out.append((c, rewritten))
+    return out
