@@ -17,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from captioning.data.karpathy import Dataset
+from captioning.data.plans import extract_plan, ingest_plan, vocab_plan
 from captioning.data.prepare import ingest as read_dataset
 from captioning.data.prepare import vocab_and_labels
 from captioning.data.stores import FeatureStore, LabelStore
@@ -37,7 +38,7 @@ def ingest(rc: RunContext) -> DatasetRef:
     """Read + validate the dataset (always: the digest says whether anything downstream must change)."""
     cfg = rc.cfg
     t0 = time.perf_counter()
-    ds = read_dataset(cfg, progress=rc.progress)
+    ds = read_dataset(ingest_plan(cfg), progress=rc.progress)
     wd = rc.workdir
     path = ds.save(wd.dataset(ds.digest))
     summary = ds.summary()
@@ -82,10 +83,10 @@ def extract(rc: RunContext, data: DatasetRef, *, uri: str | None = None, workers
         if cfg.features.source == "synthetic-informative":
             from captioning.data.synthetic_features import informative_store_for
 
-            store = informative_store_for(cfg, ds, uri, progress=rc.progress)
+            store = informative_store_for(extract_plan(cfg), ds, uri, progress=rc.progress)
             report: dict[str, Any] = {"extracted": store.num_rows}
         else:
-            res = extract_features(cfg, ds, workers=workers, uri=uri, progress=rc.progress)
+            res = extract_features(extract_plan(cfg), ds, workers=workers, uri=uri, progress=rc.progress)
             report = res.to_json()
             store = FeatureStore.open(uri)
         summary = store.summary()
@@ -138,7 +139,7 @@ def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path |
                 int(p.stem) for p in spec.att.glob("*.npy") if p.stem.isdigit())
             if not name_ids:
                 raise MissingStageError(f"no <image_id>.npy files in {spec.att}")
-            uri = imported_store_uri(cfg, spec.att, spec.box, name_ids)
+            uri = imported_store_uri(extract_plan(cfg), spec.att, spec.box, name_ids)
         else:
             uri = imported_uri(cfg.feature_store_uri(), spec, ids, {k: getattr(f, k) for k in (
                 "max_boxes", "feature_dim", "chunk_rows", "dtype", "compressor")})
@@ -191,7 +192,7 @@ def vocab(rc: RunContext, data: DatasetRef, feats: FeaturesRef | None) -> Labels
         rc.tracker.params(run, {"vocab": cfg.vocab.model_dump(mode="json"), "max_words": cfg.dataset.max_words})
         rc.tracker.dataset(run, "dataset", data.digest, ds.source, "input")
         rows = FeatureStore.open(feats.uri).row_of() if feats else None
-        res = vocab_and_labels(cfg, ds, rows, out=rc.cache.workdir("vocab", key))
+        res = vocab_and_labels(vocab_plan(cfg), ds, rc.cache.workdir("vocab", key), rows)
         digest = LabelStore.open(res.labels_uri).digest()
         radix = res.vocab.radix()
         rc.tracker.dataset(run, "labels", digest, res.labels_uri, "output", {"captions": res.captions})

@@ -149,3 +149,28 @@ def test_the_data_stages_do_not_import_torch():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+#: where the library may read the pipeline config: the config itself, the plan builders, the workdir layout, the
+#: store naming, and the benchmarks (scripts that build their own configs)
+CONFIG_READERS = ("captioning/config.py", "captioning/training/recipe.py", "captioning/data/plans.py",
+                  "captioning/workdir.py", "captioning/bench/")
+CONFIG_NAMING = {("captioning/features/parallel.py", "store_uri")}
+
+
+def test_library_stage_functions_take_plans_not_the_pipeline_config():
+    """The config is turned into typed plans in one place (`training/recipe.py`, `data/plans.py`); no other library
+    function takes a `PipelineConfig` (by annotation) or a parameter named `cfg` that is one."""
+    offenders = []
+    for p in sorted((REPO / "captioning").rglob("*.py")):
+        rel = str(p.relative_to(REPO))
+        if rel.startswith(CONFIG_READERS):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or (rel, node.name) in CONFIG_NAMING:
+                continue
+            for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+                ann = ast.unparse(a.annotation) if a.annotation is not None else ""
+                if "PipelineConfig" in ann or (a.arg == "cfg" and not ann):
+                    offenders.append(f"{rel}:{node.lineno} {node.name}({a.arg}: {ann or '?'})")
+    assert offenders == []

@@ -21,6 +21,7 @@ import numpy as np
 from captioning.bench.machine import machine_info
 from captioning.config import PipelineConfig, load_config
 from captioning.data.karpathy import read_karpathy
+from captioning.data.plans import extract_plan
 from captioning.data.stores import FeatureStore
 from captioning.data.synthetic import generate_synthetic
 
@@ -60,12 +61,12 @@ def _dask(cfg: PipelineConfig, ds, warm_ds, root: Path, workers: int, threads: i
     client = Client(cluster)
     try:
         # warm-up: every worker builds its model on a small store of other images
-        extract_features(cfg, warm_ds, client=client, uri=str(root / f"warm-{workers}.zarr"), progress=False,
-                         threads_per_worker=threads)
+        extract_features(extract_plan(cfg), warm_ds, client=client, uri=str(root / f"warm-{workers}.zarr"),
+                         progress=False, threads_per_worker=threads)
         startup = time.perf_counter() - t0
         uri = str(root / f"dask{workers}.zarr")
         t0 = time.perf_counter()
-        extract_features(cfg, ds, client=client, uri=uri, progress=False, threads_per_worker=threads)
+        extract_features(extract_plan(cfg), ds, client=client, uri=uri, progress=False, threads_per_worker=threads)
         return time.perf_counter() - t0, startup, uri
     finally:
         client.close()
@@ -214,7 +215,7 @@ def _reference_run(cfg: PipelineConfig, ds, uri: str, images: int) -> tuple[floa
                                         "channels_last": False})
     model = RegionExtractor(ex, min_boxes=f.min_boxes, max_boxes=f.max_boxes, feature_dim=f.feature_dim)
     sub = _subset(ds, images)
-    store, _ = prepare_store(cfg, sub, uri)
+    store, _ = prepare_store(extract_plan(cfg), sub, uri)
     todo = plan_chunks(store, sub)
     reference_extract(model, [load_rgb(todo[0][1][0][1])])  # warm-up
     f16 = store.group["features"].dtype == np.float16
@@ -332,9 +333,9 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
             c = cfg.model_copy(deep=True)
             c.features.extractor = effective_config(c.features.extractor.model_copy(update=update))
             warm = _subset(ds, 4 * c.features.extractor.batch_size)  # the worker builds this variant's model
-            extract_features(c, warm, client=client, uri=str(root / f"warm-{name}.zarr"), progress=False)
+            extract_features(extract_plan(c), warm, client=client, uri=str(root / f"warm-{name}.zarr"), progress=False)
             t0 = time.perf_counter()
-            res = extract_features(c, ds, client=client, uri=str(root / f"{name}.zarr"), progress=False)
+            res = extract_features(extract_plan(c), ds, client=client, uri=str(root / f"{name}.zarr"), progress=False)
             s = time.perf_counter() - t0
             ex = c.features.extractor
             rows.append({"path": "capflow", "variant": name, "workers": 1, "batching": ex.batching,

@@ -41,6 +41,7 @@ import torch
 from captioning.bench.machine import machine_info
 from captioning.config import load_config
 from captioning.data.loader import ZarrFeatures
+from captioning.data.plans import extract_plan, ingest_plan, vocab_plan
 from captioning.data.prepare import ingest, vocab_and_labels
 from captioning.data.synthetic_features import informative_store_for
 from captioning.metrics import evaluation
@@ -49,6 +50,7 @@ from captioning.metrics.diversity import repetition_stats
 from captioning.training.recipe import stage_plan, student_arch, teacher_arch, xe_settings
 from captioning.training.stages import StageContext, evaluate, fit_scst, fit_xe, seqkd
 from captioning.util import resolve_device
+from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
 SEQKD = "seqkd:teacher"
@@ -88,9 +90,9 @@ def run_seed(cfg, wd: Path, progress: bool = False) -> dict[str, Any]:
     """One full run of the bench (data, every model's XE and SCST, evaluation) at ``cfg``'s seeds in ``wd``."""
     torch.manual_seed(cfg.run.seed)
     t_start = time.perf_counter()
-    ds = ingest(cfg, progress=progress)
-    store = informative_store_for(cfg, ds, str(wd / "features.zarr"), progress=progress)
-    lab = vocab_and_labels(cfg, ds)
+    ds = ingest(ingest_plan(cfg), progress=progress)
+    store = informative_store_for(extract_plan(cfg), ds, str(wd / "features.zarr"), progress=progress)
+    lab = vocab_and_labels(vocab_plan(cfg), ds, Workdir.of(cfg).stage_dir("vocab", ds.digest))
     ctx = StageContext(stage_plan(cfg), lab.vocab, lab.labels_uri, ZarrFeatures(store.uri), ds,
                        resolve_device(cfg.run.device), progress)
     d_in, words = cfg.features.feature_dim, cfg.dataset.max_words

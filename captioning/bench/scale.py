@@ -274,11 +274,12 @@ def _config(p: Mapping[str, Any]):
 def stage_ingest(p: Mapping[str, Any]) -> dict[str, Any]:
     """What the ingest job does without MLflow: read + validate + hash (``prepare.ingest``), then write the
     normalised dataset and its reject list into the workdir."""
+    from captioning.data.plans import ingest_plan
     from captioning.data.prepare import ingest
     from captioning.workdir import Workdir
 
     cfg = _config(p)
-    ds = ingest(cfg)
+    ds = ingest(ingest_plan(cfg))
     wd = Workdir.of(cfg)
     path = ds.save(wd.dataset(ds.digest))
     summary = ds.summary()
@@ -304,7 +305,9 @@ def stage_vocab(p: Mapping[str, Any]) -> dict[str, Any]:
 
     ds = Dataset.load(_dataset_path(p))
     rows = FeatureStore.open(p["features"]).row_of()
-    res = vocab_and_labels(_config(p), ds, rows, out=p["out"])
+    from captioning.data.plans import vocab_plan
+
+    res = vocab_and_labels(vocab_plan(_config(p)), ds, p["out"], rows)
     digest = LabelStore.open(res.labels_uri).digest()
     return {"words": len(res.vocab.words), "label_rows": res.captions, "digest": digest[:16], "outputs": [p["out"]]}
 

@@ -1,6 +1,8 @@
-"""Dataset preparation steps as plain functions of the config: ingest, vocabulary + label store, imports.
+"""Dataset preparation steps as plain functions of their plans (:mod:`captioning.data.plans`): ingest, vocabulary +
+label store, imports.
 
-These are what the CLI and the pipeline's tasks call; they know nothing about Prefect or MLflow.
+These are what the CLI and the pipeline's tasks call; they know nothing about Prefect, MLflow or the pipeline
+config.
 """
 
 from __future__ import annotations
@@ -14,22 +16,20 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from captioning.config import PipelineConfig
+from captioning.config import SyntheticConfig
 from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, read_karpathy
+from captioning.data.plans import IngestPlan, VocabPlan
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.data.text import Vocabulary, build_vocabulary
 from captioning.util import usable_cpus
-from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
 
 
-def synthetic_dataset(cfg: PipelineConfig, progress: bool = False) -> tuple[Path, Path]:
-    """Generate (once) the configured synthetic dataset; returns (annotations JSON, images root)."""
+def synthetic_dataset(s: SyntheticConfig, out: Path, progress: bool = False) -> tuple[Path, Path]:
+    """Generate (once) the synthetic dataset ``s`` into ``out``; returns (annotations JSON, images root)."""
     from captioning.data.synthetic import generate_synthetic
 
-    s = cfg.dataset.synthetic
-    out = Workdir.of(cfg).synthetic(cfg.digest("dataset.synthetic"))
     ann = out / "dataset.json"
     done = out / ".complete"
     if not done.exists():
@@ -43,17 +43,17 @@ def synthetic_dataset(cfg: PipelineConfig, progress: bool = False) -> tuple[Path
     return ann, out / "images"
 
 
-def ingest(cfg: PipelineConfig, progress: bool = False) -> Dataset:
-    """Read + validate the configured dataset (generating the synthetic one if no annotations are set)."""
-    d = cfg.dataset
+def ingest(plan: IngestPlan, progress: bool = False) -> Dataset:
+    """Read + validate the plan's dataset (generating the synthetic one if no annotations are set)."""
+    d = plan.dataset
     if d.annotations is None:
-        ann, images = synthetic_dataset(cfg, progress)
+        ann, images = synthetic_dataset(d.synthetic, plan.synthetic_dir, progress)
     else:
         ann, images = Path(d.annotations), (Path(d.images) if d.images else None)
     ds = read_karpathy(
         ann, images, max_words=d.max_words, restval_split=d.restval_split, image_check=d.image_check,
         max_reject_fraction=d.max_reject_fraction, hash_workers=d.hash_workers or min(4, usable_cpus()),
-        hash_cache=Workdir.of(cfg).file_hashes(), progress=progress,
+        hash_cache=plan.hash_cache, progress=progress,
     )
     counts = {s: len(ds.split(s)) for s in ("train", "val", "test")}
     missing = [s for s in ("train", "val", "test") if not counts.get(s)]
@@ -109,18 +109,17 @@ def build_labels(
     )
 
 
-def vocab_and_labels(cfg: PipelineConfig, ds: Dataset, image_rows: dict[int, int] | None = None,
-                     out: str | Path | None = None) -> LabelResult:
-    """Vocabulary from the train split -> ``<out>/vocab.json`` and ``<out>/labels.zarr`` (default out: the vocab
-    stage's folder for this dataset, :meth:`captioning.workdir.Workdir.stage_dir`)."""
+def vocab_and_labels(plan: VocabPlan, ds: Dataset, out: str | Path, image_rows: dict[int, int] | None = None
+                     ) -> LabelResult:
+    """Vocabulary from the train split -> ``<out>/vocab.json`` and ``<out>/labels.zarr``."""
     if not any(e.captions for e in ds.images if e.split == "train"):
         raise DatasetError("the dataset has no train captions to build a vocabulary from")
     # counted as they are split (a list of every train caption's words would be the largest object of the stage)
-    vocab = build_vocabulary(ds.captions("train"), cfg.vocab.min_count, cfg.vocab.radix_base)
-    out = Path(out) if out is not None else Workdir.of(cfg).stage_dir("vocab", ds.digest)
+    vocab = build_vocabulary(ds.captions("train"), plan.min_count, plan.radix_base)
+    out = Path(out)
     vocab_path = vocab.save(out / "vocab.json")
     uri = str(out / "labels.zarr")
-    store = build_labels(ds, vocab, uri, cfg.dataset.max_words, image_rows)
+    store = build_labels(ds, vocab, uri, plan.max_words, image_rows)
     return LabelResult(vocab_path, store.uri, vocab, int(store.group["tokens"].shape[0]))
 
 

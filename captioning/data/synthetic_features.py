@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from captioning.config import SyntheticConfig
 from captioning.data.karpathy import Dataset
+from captioning.data.plans import ExtractPlan
 from captioning.data.stores import OK, FeatureStore
 from captioning.data.synthetic import COCOID_OFFSET, COLOURS, SHAPES, scene_for
 
@@ -101,13 +102,13 @@ def informative_store(ds: Dataset, synthetic: SyntheticConfig, uri: str, *, feat
     return store
 
 
-def informative_store_for(cfg, ds: Dataset, uri: str, progress: bool = False) -> FeatureStore:
-    """:func:`informative_store` with the pipeline config's feature settings (``features.source`` =
-    ``synthetic-informative``); needs the dataset to be the configured synthetic one."""
-    if cfg.dataset.annotations is not None:
+def informative_store_for(plan: ExtractPlan, ds: Dataset, uri: str, progress: bool = False) -> FeatureStore:
+    """:func:`informative_store` with the plan's feature settings (``features.source`` = ``synthetic-informative``);
+    needs the dataset to be the configured synthetic one."""
+    if not plan.synthetic_dataset:
         raise ValueError("features.source=synthetic-informative needs the synthetic dataset (dataset.annotations "
                          "is set): informative features are computed from the generator's scenes")
-    f = cfg.features
-    return informative_store(ds, cfg.dataset.synthetic, uri, feature_dim=f.feature_dim, max_boxes=f.max_boxes,
-                             chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor, seed=cfg.run.seed,
+    f = plan.features
+    return informative_store(ds, plan.synthetic, uri, feature_dim=f.feature_dim, max_boxes=f.max_boxes,
+                             chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor, seed=plan.seed,
                              progress=progress)

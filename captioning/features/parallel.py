@@ -30,9 +30,9 @@ import numpy as np
 
 from captioning.config import ExtractorConfig, FeaturesConfig, PipelineConfig
 from captioning.data.karpathy import Dataset
+from captioning.data.plans import ExtractPlan, extract_plan
 from captioning.data.stores import EXTRAS, OK, PENDING, REJECTED, FeatureStore, StoreError
 from captioning.features.weights import weights_identity
-from captioning.workdir import Workdir
 
 log = logging.getLogger(__name__)
 
@@ -100,26 +100,29 @@ def store_extras(f: FeaturesConfig) -> tuple[str, ...]:
     return ("object_id", "object_conf", "attr_id", "attr_conf", "boxes_px")
 
 
-def store_uri(cfg: PipelineConfig) -> str:
-    """Where the configured feature store lives: named by everything that determines its content."""
-    base = cfg.feature_store_uri().rstrip("/")
-    if cfg.features.source == "synthetic-informative":
-        f = cfg.features
-        ident = json.dumps({"synthetic": cfg.dataset.synthetic.model_dump(mode="json"), "seed": cfg.run.seed,
+def store_uri(plan: ExtractPlan | PipelineConfig) -> str:
+    """Where the configured feature store lives: named by everything that determines its content (the store naming
+    of every command and job: from an :class:`ExtractPlan`, or the config it is built from)."""
+    if isinstance(plan, PipelineConfig):
+        plan = extract_plan(plan)
+    base = plan.store_folder.rstrip("/")
+    f = plan.features
+    if f.source == "synthetic-informative":
+        ident = json.dumps({"synthetic": plan.synthetic.model_dump(mode="json"), "seed": plan.seed,
                             **{k: getattr(f, k) for k in ("feature_dim", "max_boxes", "chunk_rows", "dtype",
                                                            "compressor")}}, sort_keys=True)
         return f"{base}/informative-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
-    return f"{base}/{store_key(cfg.features)}.zarr"
+    return f"{base}/{store_key(f)}.zarr"
 
 
-def imported_store_uri(cfg: PipelineConfig, att_dir: str | Path, box_dir: str | Path, image_ids: list[int]) -> str:
+def imported_store_uri(plan: ExtractPlan, att_dir: str | Path, box_dir: str | Path, image_ids: list[int]) -> str:
     """Where ``capflow import-features`` puts a store imported from per-image ``.npy`` folders: in the same
     feature-store folder as extracted stores, named by its sources, image ids and layout settings."""
-    f = cfg.features
+    f = plan.features
     ident = json.dumps({"att": str(Path(att_dir).resolve()), "box": str(Path(box_dir).resolve()), "ids": image_ids,
                         **{k: getattr(f, k) for k in ("max_boxes", "feature_dim", "chunk_rows", "dtype",
                                                       "compressor")}}, sort_keys=True)
-    return f"{cfg.feature_store_uri().rstrip('/')}/imported-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
+    return f"{plan.store_folder.rstrip('/')}/imported-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
 
 
 # ---------------------------------------------------------------------- chunk work (runs on workers)
@@ -326,15 +329,15 @@ def extract_chunks(
 
 
 # ---------------------------------------------------------------------- planning
-def prepare_store(cfg: PipelineConfig, ds: Dataset, uri: str | None = None, describe: dict | None = None
+def prepare_store(plan: ExtractPlan, ds: Dataset, uri: str | None = None, describe: dict | None = None
                   ) -> tuple[FeatureStore, int]:
     """Open the store for these settings, appending rows for new dataset images; or create it.
 
     Returns the store and how many rows were added. Rows are in dataset order (sorted by image id) for a new
     store; appended images follow in the same order.
     """
-    uri = uri or store_uri(cfg)
-    f = cfg.features
+    uri = uri or store_uri(plan)
+    f = plan.features
     ids = [e.image_id for e in ds.images]
     if FeatureStore.exists(uri):
         store = FeatureStore.open(uri, mode="r+")
@@ -488,7 +491,7 @@ def _gpu_resources(client) -> bool:
 
 
 def extract_features(
-    cfg: PipelineConfig,
+    plan: ExtractPlan,
     ds: Dataset,
     *,
     workers: int | None = None,
@@ -498,17 +501,17 @@ def extract_features(
     threads_per_worker: int | None = None,
     on_chunk: Callable[[ChunkResult], None] | None = None,
 ) -> ExtractResult:
-    """Extract every pending chunk of the store for ``cfg``/``ds``. ``workers=0`` runs in this process."""
+    """Extract every pending chunk of the store for ``plan``/``ds``. ``workers=0`` runs in this process."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    store, appended = prepare_store(cfg, ds, uri)
+    store, appended = prepare_store(plan, ds, uri)
     # resume: finished chunks whose values fail their checksums (or cannot be read) are marked pending and redone
     check = store.verify(repair=True)
     for fault in check.faults:
         log.warning("feature store %s: %s: extracting it again", store.uri, fault)
     todo = plan_chunks(store, ds)
-    f = cfg.features
+    f = plan.features
     # automatic settings are resolved here, where the store is named, not on each worker
     from captioning.features.extractor import effective_config
 
@@ -518,14 +521,14 @@ def extract_features(
     ex_json = ex.model_dump_json()
     n_workers = f.dask_workers if workers is None else workers
     threads = threads_per_worker or f.extractor.torch_threads
-    args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, _absolute(str(Workdir.of(cfg).weights_cache())))
+    args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, _absolute(str(plan.weights_cache)))
     todo = [(c, [(row, _absolute(path)) for row, path in items]) for c, items in todo]
     image_store = None
-    if cfg.run.store and f.dask_address and client is None and todo:
+    if plan.run_store and f.dask_address and client is None and todo:
         # an external cluster under a run store shares no files with this machine: the images go through the store
         from captioning.features.stored_images import publish_images
 
-        image_store = _absolute(cfg.run.store)
+        image_store = _absolute(plan.run_store)
         todo = publish_images(image_store, ds, todo)
         args = (*args[:-1], None)  # the workers' own weights cache
     uri = _absolute(store.uri)

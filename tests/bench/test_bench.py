@@ -145,6 +145,7 @@ def test_bench_learning_seeds_change_data_split_and_run_seed(tmp_path):
     """Seed i raises run.seed and the synthetic dataset's seed by i: other images, another split."""
     from captioning.bench.learning import seed_overrides, split_digest
     from captioning.config import load_config
+    from captioning.data.plans import ingest_plan
     from captioning.data.prepare import ingest
 
     base = ["dataset.synthetic.num_images=24", "run.seed=5", "dataset.synthetic.seed=7"]
@@ -155,7 +156,7 @@ def test_bench_learning_seeds_change_data_split_and_run_seed(tmp_path):
     for i in range(2):
         cfg = load_config("learning", overrides=[*base, f"run.workdir={tmp_path / str(i)}", *seed_overrides(cfg0, i)])
         assert (cfg.run.seed, cfg.dataset.synthetic.seed) == (5 + i, 7 + i)
-        ds = ingest(cfg)
+        ds = ingest(ingest_plan(cfg))
         splits.append((split_digest(ds), sorted(e.image_id for e in ds.split("test")),
                        ds.split("train")[0].captions))
     assert splits[0][0] != splits[1][0]

@@ -677,6 +677,7 @@ def test_ingest_hashes_on_at_most_the_usable_cpus_by_default(tmp_path, monkeypat
     files); set: exactly that."""
     from captioning.config import load_config
     from captioning.data import prepare
+    from captioning.data.plans import ingest_plan
 
     seen = []
 
@@ -685,14 +686,15 @@ def test_ingest_hashes_on_at_most_the_usable_cpus_by_default(tmp_path, monkeypat
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(prepare, "read_karpathy", fake_read)
-    monkeypatch.setattr(prepare, "synthetic_dataset", lambda cfg, progress: (tmp_path / "a.json", tmp_path))
+    monkeypatch.setattr(prepare, "synthetic_dataset", lambda s, out, progress: (tmp_path / "a.json", tmp_path))
     cfg = load_config("tiny", overrides=[f"run.workdir={tmp_path}"])
     assert cfg.dataset.hash_workers is None
     for cpus, expected in ((2, 2), (1, 1), (16, 4)):
         monkeypatch.setattr(prepare, "usable_cpus", lambda c=cpus: c)
         with pytest.raises(RuntimeError, match="stop here"):
-            prepare.ingest(cfg)
+            prepare.ingest(ingest_plan(cfg))
         assert seen[-1] == expected
     with pytest.raises(RuntimeError, match="stop here"):
-        prepare.ingest(load_config("tiny", overrides=[f"run.workdir={tmp_path}", "dataset.hash_workers=3"]))
+        prepare.ingest(ingest_plan(load_config("tiny", overrides=[f"run.workdir={tmp_path}",
+                                                                  "dataset.hash_workers=3"])))
     assert seen[-1] == 3

@@ -155,6 +155,7 @@ def test_extract_into_a_store_and_resume(port, external, tmp_path):
 
     from captioning.config import load_config
     from captioning.data.karpathy import read_karpathy
+    from captioning.data.plans import extract_plan
     from captioning.data.stores import OK, FeatureStore
     from captioning.features.parallel import extract_features
 
@@ -174,7 +175,7 @@ def test_extract_into_a_store_and_resume(port, external, tmp_path):
         f"features.extractor.weights={port.ex.weights_path}", "features.extractor.device=cpu",
         "features.extractor.min_size=192", "features.extractor.max_size=320", "features.extractor.proposals=24",
         "features.dtype=float32", "features.chunk_rows=2", "features.max_boxes=100"])
-    res = extract_features(cfg, ds, workers=0, progress=False)
+    res = extract_features(extract_plan(cfg), ds, workers=0, progress=False)
     assert res.ok == port.n
     s = FeatureStore.open(res.store)
     assert s.extras == ("object_id", "object_conf", "attr_id", "attr_conf", "boxes_px")
@@ -191,7 +192,7 @@ def test_extract_into_a_store_and_resume(port, external, tmp_path):
         assert b.extras["attr_id"][i, :n].tolist() == port[f"img{i}_attrs_t02"].tolist()
         assert np.all(b.extras["object_id"][i, n:] == -1)
     assert s.verify().ok
-    again = extract_features(cfg, ds, workers=0, progress=False)
+    again = extract_features(extract_plan(cfg), ds, workers=0, progress=False)
     assert again.extracted == 0
 
 

@@ -17,6 +17,7 @@ from PIL import Image
 
 from captioning.config import load_config
 from captioning.data.karpathy import read_karpathy
+from captioning.data.plans import extract_plan
 from captioning.data.stores import OK, PENDING, REJECTED, FeatureStore
 from captioning.features.parallel import extract_features, store_key, store_uri
 
@@ -74,7 +75,7 @@ def _arrays(uri):
 def test_extract_schema_counts_and_bad_images(planted, tmp_path):
     _, ds = planted
     cfg = _cfg(tmp_path)
-    res = extract_features(cfg, ds, workers=0, progress=False)
+    res = extract_features(extract_plan(cfg), ds, workers=0, progress=False)
     assert res.store == store_uri(cfg) and res.store.endswith(f"{store_key(cfg.features)}.zarr")
     s = FeatureStore.open(res.store)
     assert s.num_rows == len(ds.images) and s.image_ids().tolist() == [e.image_id for e in ds.images]
@@ -106,15 +107,15 @@ def test_extract_schema_counts_and_bad_images(planted, tmp_path):
     assert attrs["random_weights"] is True and "RANDOM" in attrs["warning"]
     assert attrs["dataset_digest"] == ds.digest and attrs["store_key"] == store_key(cfg.features)
     # re-running does nothing
-    again = extract_features(cfg, ds, workers=0, progress=False)
+    again = extract_features(extract_plan(cfg), ds, workers=0, progress=False)
     assert again.extracted == 0 and again.skipped_chunks == s.num_chunks
     assert all(np.array_equal(a, b) for a, b in zip(_arrays(res.store), _arrays(again.store), strict=True))
 
 
 def test_dask_workers_match_in_process(planted, tmp_path):
     _, ds = planted
-    base = extract_features(_cfg(tmp_path / "a"), ds, workers=0, progress=False)
-    par = extract_features(_cfg(tmp_path / "b"), ds, workers=2, progress=False)
+    base = extract_features(extract_plan(_cfg(tmp_path / "a")), ds, workers=0, progress=False)
+    par = extract_features(extract_plan(_cfg(tmp_path / "b")), ds, workers=2, progress=False)
     assert par.extracted == len(ds.images)
     for a, b in zip(_arrays(base.store), _arrays(par.store), strict=True):
         assert np.array_equal(a, b)
@@ -135,10 +136,10 @@ def test_growing_dataset_extracts_only_new_images(planted, tmp_path):
     cut = int(len(full) * 0.9)
     ds.images = full[:cut]
     try:
-        first = extract_features(cfg, ds, workers=0, progress=False)
+        first = extract_features(extract_plan(cfg), ds, workers=0, progress=False)
         before = _arrays(first.store)
         ds.images = full
-        second = extract_features(cfg, ds, workers=0, progress=False)
+        second = extract_features(extract_plan(cfg), ds, workers=0, progress=False)
     finally:
         ds.images = full
     assert second.appended == len(full) - cut
@@ -206,7 +207,7 @@ def test_killed_dask_worker_is_survived(planted, tmp_path):
     from captioning.features.parallel import local_cluster
 
     _, ds = planted
-    ref = extract_features(_cfg(tmp_path / "ref"), ds, workers=0, progress=False)
+    ref = extract_features(extract_plan(_cfg(tmp_path / "ref")), ds, workers=0, progress=False)
     cluster = local_cluster(2)
     client = Client(cluster)
     killed = []
@@ -219,7 +220,7 @@ def test_killed_dask_worker_is_survived(planted, tmp_path):
             os.kill(pid, signal.SIGKILL)
 
     try:
-        res = extract_features(_cfg(tmp_path / "k"), ds, client=client, progress=False, on_chunk=kill_one)
+        res = extract_features(extract_plan(_cfg(tmp_path / "k")), ds, client=client, progress=False, on_chunk=kill_one)
     finally:
         client.close()
         cluster.close()

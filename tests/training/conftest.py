@@ -7,10 +7,12 @@ import torch
 
 from captioning.config import load_config
 from captioning.data.loader import ZarrFeatures
+from captioning.data.plans import ingest_plan, vocab_plan
 from captioning.data.prepare import ingest, vocab_and_labels
 from captioning.data.synthetic_features import informative_store
 from captioning.training.recipe import stage_plan
 from captioning.training.stages import StageContext
+from captioning.workdir import Workdir
 
 
 @pytest.fixture(scope="session")
@@ -20,10 +22,10 @@ def synth_parts(tmp_path_factory):
     cfg = load_config("tiny", overrides=[f"run.workdir={work}", "dataset.synthetic.num_images=60",
                                          "dataset.synthetic.val_fraction=0.15", "dataset.synthetic.test_fraction=0.15",
                                          "dataset.image_check=none", "loader.batch_size=8"])
-    ds = ingest(cfg)
+    ds = ingest(ingest_plan(cfg))
     store = informative_store(ds, cfg.dataset.synthetic, str(work / "features.zarr"), feature_dim=24, max_boxes=12,
                               chunk_rows=8)
-    lab = vocab_and_labels(cfg, ds)
+    lab = vocab_and_labels(vocab_plan(cfg), ds, Workdir.of(cfg).stage_dir("vocab", ds.digest))
     return cfg, ds, lab.vocab_path, lab.labels_uri, store.uri
 
 
