@@ -103,9 +103,10 @@ def _dataset(synthetic_small, tmp_path, edit) -> list[str]:
 
 
 def _ingest(overrides):
+    from captioning.data.plans import ingest_plan
     from captioning.data.prepare import ingest
 
-    return ingest(load_config("tiny", overrides=overrides))
+    return ingest(ingest_plan(load_config("tiny", overrides=overrides)))
 
 
 def test_a_dataset_without_a_test_split_fails_at_ingest(synthetic_small, tmp_path, capsys):
