@@ -16,6 +16,11 @@ task's arguments (:class:`StudentJob`): the MLflow tracking URI the flow records
 made absolute against the flow's working directory, SPICE's jar folder, the torch threads. Credentials stay in
 each process's own environment (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, ``AWS_*``) and are not carried - except
 any written into ``MLFLOW_TRACKING_URI`` itself, which travels with the URI (give them as the variables instead).
+
+With a run store (``run.store``) the workers need no filesystem of the flow's: the stage results travel with their
+workdir paths written ``@run/...``; a worker fetches what they name from the store into its own copy
+(:func:`worker_workdir`), publishes its stage folder after every epoch and its result when done, and the flow fetches
+the finished student's folder (:meth:`tasks.cache.StageCache.materialise`).
 """
 
 from __future__ import annotations
