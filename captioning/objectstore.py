@@ -201,6 +201,10 @@ class ObjectStore:
         self.put_json(self._manifest_name(rel), {"files": manifest})
         return manifest
 
+    def forget(self, rel: str) -> None:
+        """Remove the tree ``rel``'s manifest (its blobs stay: other manifests may name them)."""
+        self.delete(self._manifest_name(rel))
+
     def manifest(self, rel: str) -> dict[str, list] | None:
         doc = self.get_json(self._manifest_name(rel))
         if doc is None:

@@ -89,6 +89,12 @@ PORTABLE = "@run/"
 TREE_ROOTS = ("runs", "features", "synthetic")
 
 
+def tree_of(rel: str) -> str:
+    """The published tree a workdir path belongs to: ``runs/<stage>-<key>``, ``features/<store>``, ... or the file."""
+    parts = rel.split("/")
+    return "/".join(parts[:2]) if parts[0] in TREE_ROOTS and len(parts) > 1 else rel
+
+
 class StageCache:
     """Stage records under ``<workdir>/stages/``: the typed result (:mod:`tasks.refs`) of each finished stage.
 
@@ -150,7 +156,7 @@ class StageCache:
         shutil.rmtree(folder, ignore_errors=True)
         if self.store is not None:
             self.store.delete(self._store_name(stage, key))
-            self.store.delete(self.store._manifest_name(self._relative(str(folder)) or ""))
+            self.store.forget(self._relative(str(folder)) or "")
 
     def latest(self, stage: str, kind: type[R]) -> R | None:
         """The most recently written readable record of ``stage`` (what single-stage commands fall back to);
@@ -200,7 +206,7 @@ class StageCache:
             return
         rel = self._relative(str(path))
         if rel is not None:
-            tree = self._tree(rel)
+            tree = tree_of(rel)
             self.store.publish(tree, self.workdir_layout.root / tree)
 
     # ------------------------------------------------------------------ the run store's form of a record
@@ -235,12 +241,6 @@ class StageCache:
             return None
         return Path(os.path.relpath(p, root)).as_posix()
 
-    @staticmethod
-    def _tree(rel: str) -> str:
-        """The tree a workdir path belongs to: ``runs/<stage>-<key>``, ``features/<store>``, ... or the file."""
-        parts = rel.split("/")
-        return "/".join(parts[:2]) if parts[0] in TREE_ROOTS and len(parts) > 1 else rel
-
     def _paths(self, ref: Ref) -> dict[str, str]:
         return {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref)
                 if f.name in PATH_FIELDS and isinstance(getattr(ref, f.name), str)}
@@ -248,7 +248,7 @@ class StageCache:
     def trees(self, ref: Ref) -> list[str]:
         """The workdir trees a result names (what must be on the store before its record)."""
         rels = [r for v in self._paths(ref).values() if (r := self._relative(v)) is not None]
-        return sorted({self._tree(r) for r in rels})
+        return sorted({tree_of(r) for r in rels})
 
     def portable(self, ref: R) -> R:
         """``ref`` with its paths inside the workdir written ``@run/<relative path>``."""
@@ -265,7 +265,7 @@ class StageCache:
             raise ObjectStoreError(f"a {type(ref).__name__} names run-store paths ({sorted(rels.values())}) but "
                                    "no run.store is configured")
         root = self.workdir_layout.root
-        for tree in sorted({self._tree(r) for r in rels.values()}):
+        for tree in sorted({tree_of(r) for r in rels.values()}):
             if not self.store.fetch(tree, root / tree):
                 raise ObjectStoreError(f"{self.store.uri} has no {tree}, which a {type(ref).__name__} names")
         return dataclasses.replace(ref, **{k: str(root / r) for k, r in rels.items()})

@@ -263,7 +263,7 @@ def _run_store(uri: str, repair: bool, res: VerifyResult) -> None:
     every blob of it is there with the content its name says; a recorded checkpoint digest is its blob's. Repair
     removes a damaged record (its stage runs again; a damaged tree's manifest goes with it)."""
     from captioning.objectstore import ObjectStore, ObjectStoreError
-    from tasks.cache import PORTABLE, TREE_ROOTS
+    from tasks.cache import PORTABLE, tree_of
 
     store = ObjectStore(uri)
     trees: dict[str, list[str]] = {}
@@ -286,8 +286,7 @@ def _run_store(uri: str, repair: bool, res: VerifyResult) -> None:
         for v in result.values():
             if isinstance(v, str) and v.startswith(PORTABLE):
                 rel = v[len(PORTABLE):]
-                parts = rel.split("/")
-                tree = "/".join(parts[:2]) if parts[0] in TREE_ROOTS and len(parts) > 1 else rel
+                tree = tree_of(rel)
                 if tree not in trees:
                     trees[tree] = store.check([tree])
                 problems += trees[tree]
@@ -310,7 +309,7 @@ def _run_store(uri: str, repair: bool, res: VerifyResult) -> None:
     if repair:
         for tree, problems in trees.items():
             if problems:
-                store.delete(store._manifest_name(tree))
+                store.forget(tree)
 
 
 # ---------------------------------------------------------------------- entry point

@@ -116,18 +116,25 @@ def _records(work: Path, stage: str, kind):
     return rec
 
 
+def kill_worker_running(client, student: str, killed: list) -> bool:
+    """SIGKILL the worker process whose task is ``student``'s (recorded in ``killed``); False when none runs it."""
+    busy = [a for a, keys in client.processing().items() if any(str(k).startswith(f"student-{student}-")
+                                                                for k in keys)]
+    if not busy:
+        return False
+    pid = client.run(os.getpid, workers=busy)[busy[0]]
+    os.kill(pid, signal.SIGKILL)
+    killed.append((busy[0], pid))
+    return True
+
+
 def _kill_the_worker_training(address: str, student: str, stage_dir: Path, killed: list, stop: threading.Event):
     """SIGKILL the worker process that runs ``student``'s task once its training has started."""
     from distributed import Client
 
     with Client(address, timeout=60) as c:
         while not stop.is_set() and not killed:
-            busy = [a for a, keys in c.processing().items() if any(str(k).startswith(f"student-{student}-")
-                                                                   for k in keys)]
-            if busy and list(stage_dir.glob(f"runs/student-{student}-*/xe")):
-                pid = c.run(os.getpid, workers=busy)[busy[0]]
-                os.kill(pid, signal.SIGKILL)
-                killed.append((busy[0], pid))
+            if list(stage_dir.glob(f"runs/student-{student}-*/xe")) and kill_worker_running(c, student, killed):
                 return
             stop.wait(0.05)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import threading
@@ -25,7 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tasks.test_external_cluster import BIN, _capflow, _clean_env, _flow_env, _result, _stop
+from tests.tasks.test_external_cluster import (
+    BIN,
+    _capflow,
+    _clean_env,
+    _flow_env,
+    _result,
+    _stop,
+    kill_worker_running,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 STUDENTS = "lw,satic"
@@ -114,14 +121,7 @@ def _kill_after_first_epoch(stack, address: str, student: str, killed: list, sto
             listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"run/trees/runs/student-{student}-")
             for obj in listed.get("Contents", []):
                 manifest = json.loads(s3.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read())
-                if "xe/last.pt" not in manifest["files"]:
-                    continue
-                busy = [a for a, keys in c.processing().items()
-                        if any(str(k).startswith(f"student-{student}-") for k in keys)]
-                if busy:
-                    pid = c.run(os.getpid, workers=busy)[busy[0]]
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append((busy[0], pid))
+                if "xe/last.pt" in manifest["files"] and kill_worker_running(c, student, killed):
                     return
             stop.wait(0.05)
 
