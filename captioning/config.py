@@ -386,6 +386,8 @@ class EvalConfig(Section):
         "SATIC/self-critical code's --decoding_constraint, off there by default; a radix word counts as a word)",
     )
     spice_jars: str | None = Field(None, description="Folder with Stanford CoreNLP jars for SPICE; unset = no SPICE")
+    xe: bool = Field(False, description="Also evaluate each student's XE weights on the test split before SCST "
+                     "(xe_test_* metrics of its run): how much SCST adds, as the learning bench reports it")
 
 
 class TrackingConfig(Section):

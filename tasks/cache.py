@@ -82,7 +82,7 @@ def stage_key(stage: str, **parts: Any) -> str:
 
 #: the fields of the stage results that hold a file path or a store URI
 PATH_FIELDS = frozenset({"path", "rejects_path", "uri", "vocab_path", "labels_uri", "features_uri", "checkpoint",
-                         "predictions", "references"})
+                         "predictions", "references", "xe_predictions"})
 #: how a record on the run store names a path inside the workdir (each reader's own workdir)
 PORTABLE = "@run/"
 #: workdir folders published whole, by their first two path components (a stage folder, a store, a dataset's images)

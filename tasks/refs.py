@@ -116,6 +116,12 @@ class StudentResult(Ref):
     references: str
     distinct_captions: int = 0  # degenerate output shows here: few distinct captions, words repeated in a row
     repeated_token_rate: float = 0.0
+    label: str = ""  # the stage's name when one student is trained several ways (SATIC's ablation)
+    captions: str = "ground_truth"  # what its XE trained on: "ground_truth" | "seqkd"
+    init_from_teacher: bool = False
+    xe_evaluation: dict[str, Any] | None = None  # the XE weights' test metrics and summary (evaluation.xe) ...
+    xe_predictions: str | None = None  # ... and their test captions (COCO results JSON)
+    training: dict[str, Any] = field(default_factory=dict)  # xe / scst: best metric, best epoch, seconds, history
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from captioning.metrics.coco import references_document
 from captioning.training import checkpoint
 from captioning.training.loop import load_model
 from captioning.training.recipe import (
+    TEACHER_NAMES,
     StudentPlan,
     preset_name,
     scst_settings,
     stage_plan,
-    student_arch,
     student_plan,
     train_plan,
     xe_settings,
@@ -40,7 +40,6 @@ from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFail
 from tasks.tracking import LocalRecorder
 
 R = TypeVar("R")
-TEACHER_NAMES = ("teacher", "aic")  # what `capflow train --model` accepts for the AIC teacher
 
 
 def _context(rc: RunContext, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef) -> StageContext:
@@ -167,8 +166,10 @@ def student_key(rc: RunContext, plan: StudentPlan, arch: dict, feats: FeaturesRe
                              "evaluation": cfg.digest("evaluation")}
     if plan.captions == "seqkd":
         parts["seqkd"] = _needed(kd, "SeqKD captions", plan.name).labels_digest
-    if plan.init_from_teacher:
+    if plan.init_from_teacher or plan.is_teacher:  # the teacher's plan: its XE weights are the teacher stage's
         parts["teacher"] = _needed(teacher, "the teacher", plan.name).checkpoint_digest
+    if plan.evaluate_xe:
+        parts["evaluate_xe"] = True
     return parts
 
 
@@ -178,27 +179,50 @@ def _needed(ref: R | None, what: str, name: str) -> R:
     return ref
 
 
-def student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
+def student(rc: RunContext, name: str | StudentPlan, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
             teacher: TeacherRef | None, kd: SeqKDRef | None, scst: bool = True) -> StudentResult | StudentFailure:
-    """XE -> SCST -> test evaluation -> registered model version for one student; never raises."""
+    """XE -> SCST -> test evaluation -> registered model version for one student (a name, resolved here by
+    :func:`~captioning.training.recipe.student_plan`, or the plan itself); never raises."""
+    plan = name if isinstance(name, StudentPlan) else None
+    label = plan.label or plan.name if plan is not None else str(name)
     try:
-        with rc.timed(f"student-{name}"):
-            return _student(rc, name, data, feats, labels, teacher, kd, scst)
+        with rc.timed(f"student-{label}"):
+            return _student(rc, plan or student_plan(rc.cfg, str(name)), data, feats, labels, teacher, kd, scst)
     except Exception as e:
-        log.error("student %s failed: %s", name, e)
-        rc.stages[f"student:{name}"] = "failed"
-        return StudentFailure(student=name, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        log.error("student %s failed: %s", label, e)
+        rc.stages[f"student:{label}"] = "failed"
+        return StudentFailure(student=label, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
 
 
-def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
+_SUMMARY = ("params", "latency_ms", "novel_fraction", "avg_length", "unique_fraction", "distinct_captions",
+            "repeat_caption_fraction", "repeated_token_rate")
+
+
+def _evaluated(rc: RunContext, ctx: StageContext, plan: StudentPlan, run: str, run_name: str, checkpoint: str,
+               predictions: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """Test evaluation of ``checkpoint`` in a nested run ``run_name``: metrics and summary logged, the predictions
+    written to ``predictions`` and logged. Returns the evaluation (without its predictions), the model and its
+    checkpoint's state."""
+    model, st = load_model(checkpoint, device=ctx.device)
+    with rc.tracker.run(run_name, run, {"capflow.student": plan.name}) as erun:
+        ev = evaluate(ctx, model, arch_name=plan.preset if plan.is_teacher else plan.name)
+        preds = ev.pop("predictions")
+        rc.tracker.metrics(erun, {**{k: v for k, v in ev["metrics"].items() if v is not None},
+                                  **{k: ev[k] for k in _SUMMARY}})
+        rc.tracker.json_artifact(erun, "predictions.json", preds)
+        rc.tracker.json_artifact(erun, "metrics.json", ev)
+    predictions.write_text(json.dumps(preds, ensure_ascii=False), encoding="utf-8")
+    return ev, model, st
+
+
+def _student(rc: RunContext, plan: StudentPlan, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
              teacher: TeacherRef | None, kd: SeqKDRef | None, scst: bool) -> StudentResult:
     cfg = rc.cfg
+    name = plan.name
     ctx = _context(rc, data, feats, labels)
-    plan = student_plan(cfg, name)
-    arch = student_arch(name, cfg.students.size, ctx.vocab, ctx.d_in, cfg.dataset.max_words,
-                        standardize=cfg.loader.standardize_features)
+    arch = train_plan(cfg, name).arch(ctx.vocab, ctx.d_in)
     pname = plan.preset
-    stage = f"student-{name}"
+    stage = plan.stage
     key, hit = rc.cached(stage, StudentResult, **student_key(rc, plan, arch.to_dict(), feats, labels, kd, teacher,
                                                              scst))
     if hit is not None:
@@ -206,26 +230,40 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
     captions = plan.captions
     init = _needed(teacher, "the teacher", name).checkpoint if plan.init_from_teacher else None
     nproc = cfg.students.nproc
+    training: dict[str, Any] = {}
+    xe_eval: dict[str, Any] | None = None
     with rc.tracker.run(pname, rc.parent_run, {"capflow.student": name}) as run:
         rc.tracker.params(run, {"student": name, "preset": pname, "captions": captions, "nproc": nproc,
                                 "init_from_teacher": bool(init), "arch": arch.to_dict(),
-                                "xe": vars(xe_settings(cfg.students.xe, cfg))})
+                                "xe": vars(xe_settings(cfg.teacher.xe if plan.is_teacher else cfg.students.xe, cfg))})
         _inputs(rc, run, data, feats, labels)
         if captions == "seqkd":
             rc.tracker.dataset(run, "seqkd-captions", kd.labels_digest, labels.labels_uri, "training")
-        if init:
-            rc.tracker.dataset(run, "teacher-checkpoint", teacher.checkpoint_digest, init, "init")
+        if init or plan.is_teacher:
+            t = _needed(teacher, "the teacher", name)
+            rc.tracker.dataset(run, "teacher-checkpoint", t.checkpoint_digest, t.checkpoint, "init")
         out = rc.cache.workdir(stage, key)
         t0 = time.perf_counter()
-        res = _train(rc, run, _spec(data, feats, labels, name, out / "xe", captions=captions, init_from=init,
-                                    seqkd_source=_needed(kd, "SeqKD captions", name).source
-                                    if captions == "seqkd" else None), nproc)
+        if plan.is_teacher:  # the teacher stage's XE weights
+            t = _needed(teacher, "the teacher", name)
+            res: dict[str, Any] = {"best_metric": t.best_val_cider, "best_epoch": None, "best_checkpoint": t.checkpoint,
+                                   "last_checkpoint": t.checkpoint, "resumed_from_epoch": 0, "init": {}}
+        else:
+            res = _train(rc, run, _spec(data, feats, labels, name, out / "xe", captions=captions, init_from=init,
+                                        seqkd_source=_needed(kd, "SeqKD captions", name).source
+                                        if captions == "seqkd" else None), nproc)
         rc.tracker.metrics(run, {"xe_best_val_CIDEr": res["best_metric"], "xe_seconds": time.perf_counter() - t0,
                                  "xe_resumed_from_epoch": res["resumed_from_epoch"], **res["init"]})
         final_ckpt = res["best_checkpoint"] or res["last_checkpoint"]
+        training["xe"] = {k: res[k] for k in ("best_metric", "best_epoch", "init")}
+        training["xe"]["seconds"] = time.perf_counter() - t0
+        if plan.evaluate_xe:  # the XE weights' test scores, before SCST changes them
+            ev, _, _ = _evaluated(rc, ctx, plan, run, "evaluate-xe", final_ckpt, out / "xe-predictions.json")
+            xe_eval = {"metrics": ev["metrics"], **{k: ev[k] for k in _SUMMARY}}
+            rc.tracker.metrics(run, {f"xe_test_{k}": v for k, v in ev["metrics"].items() if v is not None})
         if scst:
             with rc.tracker.run("scst", run, {"capflow.student": name}) as srun:
-                rc.tracker.params(srun, {"scst": cfg.students.scst.model_dump(mode="json"),
+                rc.tracker.params(srun, {"scst": plan.scst.model_dump(mode="json"),
                                          "settings": vars(scst_settings(cfg.students.scst, cfg, name))})
                 t1 = time.perf_counter()
                 sres = _train(rc, srun, _spec(data, feats, labels, name, out / "scst", scst_from=final_ckpt), nproc)
@@ -234,19 +272,13 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
                                           "seconds": time.perf_counter() - t1,
                                           "resumed_from_epoch": sres["resumed_from_epoch"]})
             final_ckpt = sres["best_checkpoint"] or sres["last_checkpoint"]
-        model, st = load_model(final_ckpt, device=ctx.device)
-        with rc.tracker.run("evaluate", run, {"capflow.student": name}) as erun:
-            ev = evaluate(ctx, model, arch_name=name)
-            preds = ev.pop("predictions")
-            test = {k: v for k, v in ev["metrics"].items() if v is not None}
-            summary = {k: ev[k] for k in ("params", "latency_ms", "novel_fraction", "avg_length", "unique_fraction",
-                                          "distinct_captions", "repeat_caption_fraction", "repeated_token_rate")}
-            rc.tracker.metrics(erun, {**test, **summary})
-            rc.tracker.json_artifact(erun, "predictions.json", preds)
-            rc.tracker.json_artifact(erun, "metrics.json", ev)
+            training["scst"] = {**{k: sres[k] for k in ("best_metric", "best_epoch", "history")},
+                                "seconds": time.perf_counter() - t1}
         # kept beside the model for `capflow evaluate` (COCO results + the test split's references)
         pred_path, ref_path = out / "predictions.json", out / "references.json"
-        pred_path.write_text(json.dumps(preds, ensure_ascii=False), encoding="utf-8")
+        ev, model, st = _evaluated(rc, ctx, plan, run, "evaluate", final_ckpt, pred_path)
+        test = {k: v for k, v in ev["metrics"].items() if v is not None}
+        summary = {k: ev[k] for k in _SUMMARY}
         ref_path.write_text(json.dumps(references_document(ctx.text_references("test")), ensure_ascii=False),
                             encoding="utf-8")
         # the model folder: checkpoint + vocabulary + what produced it
@@ -276,7 +308,9 @@ def _student(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, la
         latency_ms=ev["latency_ms"], novel_fraction=ev["novel_fraction"], avg_length=ev["avg_length"],
         unique_fraction=ev["unique_fraction"], model_version=version, test_set=data.digest,
         checkpoint=str(model_dir / "model.pt"), predictions=str(pred_path), references=str(ref_path),
-        distinct_captions=ev["distinct_captions"], repeated_token_rate=ev["repeated_token_rate"]))
+        distinct_captions=ev["distinct_captions"], repeated_token_rate=ev["repeated_token_rate"],
+        label=plan.label or name, captions=captions, init_from_teacher=bool(init), xe_evaluation=xe_eval,
+        xe_predictions=str(out / "xe-predictions.json") if xe_eval is not None else None, training=training))
 
 
 def _example_image(cfg, ds: Dataset | None, rc: RunContext | None = None):
@@ -349,7 +383,7 @@ def model_job(rc: RunContext, name: str, data: DatasetRef, feats: FeaturesRef, l
     plan = student_plan(rc.cfg, name)
     t = teacher(rc, data, feats, labels) if plan.needs_teacher else None
     kd = seqkd_captions(rc, data, feats, labels, t) if plan.captions == "seqkd" and t is not None else None
-    return student(rc, name, data, feats, labels, t, kd, scst)
+    return student(rc, plan, data, feats, labels, t, kd, scst)
 
 
 def custom_training(rc: RunContext, stage: str, spec: TrainSpec, nproc: int, digests: dict[str, str | None]

@@ -174,3 +174,16 @@ def test_library_stage_functions_take_plans_not_the_pipeline_config():
                 if "PipelineConfig" in ann or (a.arg == "cfg" and not ann):
                     offenders.append(f"{rel}:{node.lineno} {node.name}({a.arg}: {ann or '?'})")
     assert offenders == []
+
+
+def test_the_recipe_dag_is_composed_by_jobs_only():
+    """Teacher -> SeqKD -> students is put together in one layer: the jobs of `tasks/` (which the flow, `capflow
+    train` and `capflow bench learning` call). No library module outside `captioning/training` calls the training
+    stages - a benchmark that did would be a second copy of the recipe."""
+    offenders = []
+    for name, p in _modules().items():
+        if not name.startswith("captioning.") or name.startswith("captioning.training"):
+            continue
+        if any(m.startswith("captioning.training.stages") for m in _imports(p, name, module_level=False)):
+            offenders.append(name)
+    assert offenders == []

@@ -53,30 +53,63 @@ def preset_name(name: str) -> str:
                      f"({', '.join(sorted(PRESETS))})")
 
 
+#: the names that mean the AIC teacher (``capflow train --model``, a plan of the teacher as an evaluated model)
+TEACHER_NAMES = ("teacher", "aic")
+
+
 @dataclass(frozen=True)
 class StudentPlan:
     """What the recipe makes of one student name, decided here once: its registry preset, the captions it trains
-    on (the teacher's SeqKD captions or the ground truth), whether it starts from the teacher's weights, and its
-    own SCST section (its ``students.per_student`` entry applied). The pipeline's student job, ``capflow train`` and the
-    stage keys all read it."""
+    on (the teacher's SeqKD captions or the ground truth), whether it starts from the teacher's weights, its own SCST
+    section (its ``students.per_student`` entry applied) and whether its XE weights are evaluated too
+    (``evaluation.xe``). The pipeline's student job, ``capflow train``, ``capflow bench learning`` and the stage keys
+    all read it.
+
+    ``label`` names the stage when one name is trained several ways (SATIC's ablation, :func:`satic_ablation`).
+    The plan of ``teacher`` is the AIC teacher as an evaluated model: its XE weights are the teacher stage's, then
+    SCST and evaluation as for a student."""
 
     name: str
     preset: str
     captions: str  # "seqkd" | "ground_truth"
     init_from_teacher: bool
     scst: SCSTConfig
+    evaluate_xe: bool = False
+    label: str = ""
+
+    @property
+    def is_teacher(self) -> bool:
+        return self.name in TEACHER_NAMES
+
+    @property
+    def stage(self) -> str:
+        """The stage's name: ``student-<label or name>``."""
+        return f"student-{self.label or self.name}"
 
     @property
     def needs_teacher(self) -> bool:
-        return self.captions == "seqkd" or self.init_from_teacher
+        return self.captions == "seqkd" or self.init_from_teacher or self.is_teacher
 
 
 def student_plan(cfg: PipelineConfig, name: str) -> StudentPlan:
-    """The plan of student ``name`` (a family or a registry preset; unknown names raise ValueError)."""
+    """The plan of student ``name`` (a family, a registry preset, or ``teacher``; unknown names raise
+    ValueError)."""
     st = cfg.students
+    if name in TEACHER_NAMES:
+        return StudentPlan(name=name, preset=cfg.teacher.model.arch, captions="ground_truth", init_from_teacher=False,
+                           scst=st.scst, evaluate_xe=cfg.evaluation.xe)
     own = st.overrides_for(name)
     return StudentPlan(name=name, preset=preset_name(name), captions="seqkd" if own.seqkd else "ground_truth",
-                       init_from_teacher=own.teacher_init, scst=st.scst_for(name))
+                       init_from_teacher=own.teacher_init, scst=st.scst_for(name), evaluate_xe=cfg.evaluation.xe)
+
+
+def satic_ablation(cfg: PipelineConfig, name: str = "satic") -> dict[str, StudentPlan]:
+    """SATIC's Table 4 as three plans of ``name``: ``base`` (ground truth, random init), ``seqkd`` (SeqKD captions,
+    random init) and ``weight_init`` (SeqKD captions, the teacher's weights), each its own stage."""
+    plan = student_plan(cfg, name)
+    return {variant: replace(plan, captions=captions, init_from_teacher=init, label=f"{name}-{variant}")
+            for variant, captions, init in (("base", "ground_truth", False), ("seqkd", "seqkd", False),
+                                            ("weight_init", "seqkd", True))}
 
 
 def max_tokens(cfg: ArchConfig | Captioner, max_words: int, codec: RadixCodec | None) -> int:
@@ -204,7 +237,7 @@ class TrainPlan:
 
     @property
     def is_teacher(self) -> bool:
-        return self.model in ("teacher", "aic")
+        return self.model in TEACHER_NAMES
 
     def arch(self, vocab: Vocabulary, d_in: int) -> ArchConfig:
         if self.is_teacher:
@@ -225,7 +258,7 @@ class TrainPlan:
 
 def train_plan(cfg: PipelineConfig, model: str) -> TrainPlan:
     """The plan of ``model``: ``teacher`` (or ``aic``) or a student family / registry preset."""
-    teacher = model in ("teacher", "aic")
+    teacher = model in TEACHER_NAMES
     xe = xe_settings(cfg.teacher.xe if teacher else cfg.students.xe, cfg)
     return TrainPlan(stage=stage_plan(cfg), model=model, size=cfg.students.size,
                      teacher=cfg.teacher.model.model_dump(mode="json"), standardize=cfg.loader.standardize_features,

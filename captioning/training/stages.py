@@ -28,6 +28,7 @@ from captioning.models.registry import PAPER_PARAMS
 from captioning.training import checkpoint
 from captioning.training.loop import TrainResult, TrainSettings, load_model, train
 from captioning.training.recipe import (
+    TEACHER_NAMES,
     StagePlan,
     TrainPlan,
     caption_dataset,
@@ -223,7 +224,7 @@ class TrainSpec:
 
     @property
     def is_teacher(self) -> bool:
-        return self.model in ("teacher", "aic")
+        return self.model in TEACHER_NAMES
 
 
 def _spec_context(plan: TrainPlan, spec: TrainSpec, progress: bool) -> StageContext:

@@ -58,7 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            batch=args.batch_size, steps=args.repeats, precision=args.precision,
                            compile=args.compile, graphs=args.graphs, quick=args.quick)
     elif args.name == "learning":
-        from captioning.bench.learning import run as run_learning
+        from tasks.bench_learning import run as run_learning
 
         if args.seeds < 1:
             raise CLIError("--seeds must be >= 1")

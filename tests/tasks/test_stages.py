@@ -114,6 +114,39 @@ def test_student_plan_decides_captions_init_and_scst_once():
         student_plan(cfg, "nope")
 
 
+def test_satic_ablation_and_the_teacher_are_plans_with_their_own_stages_and_keys():
+    """SATIC's Table 4 is three plans of one name (own stage, own key), the teacher's plan evaluates the teacher
+    stage's weights (keyed by them), and ``evaluation.xe`` is part of every plan and key."""
+    from types import SimpleNamespace
+
+    from captioning.config import load_config
+    from captioning.training.recipe import satic_ablation, student_plan
+    from tasks.training import student_key
+
+    cfg = load_config("demo", overrides=["evaluation.xe=true"])
+    abl = satic_ablation(cfg)
+    assert {v: (p.stage, p.captions, p.init_from_teacher, p.preset) for v, p in abl.items()} == {
+        "base": ("student-satic-base", "ground_truth", False, "satic-k4"),
+        "seqkd": ("student-satic-seqkd", "seqkd", False, "satic-k4"),
+        "weight_init": ("student-satic-weight_init", "seqkd", True, "satic-k4")}
+    assert all(p.evaluate_xe for p in abl.values()) and not student_plan(load_config("demo"), "lw").evaluate_xe
+    t = student_plan(cfg, "teacher")
+    assert (t.is_teacher, t.needs_teacher, t.preset, t.stage, t.captions) == \
+        (True, True, cfg.teacher.model.arch, "student-teacher", "ground_truth")
+
+    def key(plan, digest="t"):
+        ref = SimpleNamespace(digest="f", labels_digest="l", checkpoint_digest=digest)
+        return stage_key(plan.stage, **student_key(SimpleNamespace(cfg=cfg), plan, {"arch": 1}, ref, ref, ref, ref,
+                                                   True))
+
+    assert len({key(p) for p in abl.values()}) == 3
+    assert key(t) != key(t, digest="other")  # another teacher checkpoint: another teacher evaluation
+    assert key(abl["base"]) == key(abl["base"], digest="other")  # base needs no teacher
+    with pytest.raises(ValueError, match="needs the teacher"):
+        student_key(SimpleNamespace(cfg=cfg), t, {}, SimpleNamespace(digest="f", labels_digest="l"),
+                    SimpleNamespace(digest="f", labels_digest="l"), None, None, True)
+
+
 def _student(name, cider, params=100, version="1"):
     return StudentResult(student=name, preset=name, run_id="", metrics={"CIDEr": cider}, params=params,
                          latency_ms=1.0, novel_fraction=0.0, avg_length=5.0, unique_fraction=0.5,
