@@ -25,7 +25,6 @@ from captioning.training.loop import load_model
 from captioning.training.recipe import (
     TEACHER_NAMES,
     StudentPlan,
-    preset_name,
     scst_settings,
     stage_plan,
     student_plan,
@@ -341,7 +340,7 @@ def _log_trained_model(rc: RunContext, run: str, best: str | Path, name: str, vo
     if isinstance(rc.tracker, LocalRecorder):
         return None  # a single-stage command without tracking: nothing to log the model to
     cfg = rc.cfg
-    preset = cfg.teacher.model.arch if name in TEACHER_NAMES else preset_name(name)
+    preset = student_plan(cfg, name).preset
     model, st = load_model(best)
     model_dir = checkpoint.save_model_dir(
         Path(best).parent / "model", model=model, arch=st["arch"], vocab=vocab_path,
