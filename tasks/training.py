@@ -183,7 +183,7 @@ def student(rc: RunContext, name: str | StudentPlan, data: DatasetRef, feats: Fe
     """XE -> SCST -> test evaluation -> registered model version for one student (a name, resolved here by
     :func:`~captioning.training.recipe.student_plan`, or the plan itself); never raises."""
     plan = name if isinstance(name, StudentPlan) else None
-    label = plan.label or plan.name if plan is not None else str(name)
+    label = (plan.label or plan.name) if plan is not None else str(name)
     try:
         with rc.timed(f"student-{label}"):
             return _student(rc, plan or student_plan(rc.cfg, str(name)), data, feats, labels, teacher, kd, scst)
