@@ -373,11 +373,6 @@ class StudentsConfig(Section):
         """Student ``name``'s departures from the common recipe (none: the defaults)."""
         return self.per_student.get(name) or StudentOverrides()
 
-    def scst_for(self, name: str | None) -> SCSTConfig:
-        """The SCST section as it applies to student ``name`` (its ``scst_epochs`` as ``epochs``)."""
-        epochs = self.overrides_for(name).scst_epochs if name else None
-        return self.scst.model_copy(update={"epochs": epochs or self.scst.epochs})
-
 
 class EvalConfig(Section):
     beam: int = Field(3, ge=1, le=1000, description="Beam size at evaluation")

@@ -13,34 +13,41 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
-# Prefect's temporary server gets 20 s to start by default, too little on a loaded machine (2 of 16 starts failed
-# on a busy 2-core box); read when prefect is first imported, so set before it (flows.cli sets it earlier still).
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-# and it sends no telemetry (offline, the attempt logged an ERROR in every run); an explicit setting wins
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from captioning.config import PipelineConfig, load_config
-from captioning.errors import InfrastructureError
+from captioning.training.recipe import model_plan, preset_name
+from flows.prefect_server import quiet_database_locked
+from tasks import data, fanout, report, training
 from tasks.common import RunContext
-from tasks.data import extract_task, ingest_task, vocab_task
-from tasks.fanout import student_cluster, student_remote_task
-from tasks.refs import StudentFailure, StudentResult
-from tasks.report import leaderboard_task, markdown, promote_task
+from tasks.fanout import student_cluster
+from tasks.refs import Leaderboard, RunSummary, StudentFailure, StudentResult
+from tasks.report import markdown
 from tasks.tracking import Tracker
-from tasks.training import seqkd_task, student_task, teacher_task
 
 log = logging.getLogger("capflow.pipeline")
 FLOW_NAME = "capflow-pipeline"
+
+# The jobs as Prefect tasks: the orchestrator's wrappers and retries live here, not in the jobs. Prefect's own cache
+# is off: caching is capflow's stage cache. A student is never retried as a task (its failure is a result).
+RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
+ingest_task = task(data.ingest, name="ingest", **RETRY)
+extract_task = task(data.extract, name="extract", **RETRY)
+vocab_task = task(data.vocab, name="vocab", **RETRY)
+teacher_task = task(training.teacher, name="train-teacher", **RETRY)
+seqkd_task = task(training.seqkd_captions, name="seqkd", **RETRY)
+student_task = task(training.student, name="train-student", cache_policy=NO_CACHE)
+student_remote_task = task(fanout.student_remote, name="train-student", cache_policy=NO_CACHE)
+leaderboard_task = task(report.leaderboard, name="leaderboard", **RETRY)
+promote_task = task(report.promote, name="promote", **RETRY)
 
 
 def build_config(preset: str | None = "demo", config_path: str | None = None, overrides: list[str] | None = None,
@@ -52,8 +59,6 @@ def build_config(preset: str | None = "demo", config_path: str | None = None, ov
     if not scst:
         extra.append("students.scst.enabled=false")
     cfg = load_config(None if config_path else preset, config_path, extra)
-    from captioning.training.recipe import preset_name
-
     for s in cfg.students.names:
         preset_name(s)  # unknown names fail here, before any stage runs
     return cfg
@@ -63,7 +68,7 @@ def build_config(preset: str | None = "demo", config_path: str | None = None, ov
       validate_parameters=True)
 def pipeline(preset: str = "demo", config_path: str | None = None, overrides: list[str] | None = None,
              students: list[str] | None = None, scst: bool = True) -> dict[str, Any]:
-    """Run the whole capflow DAG (see the module docstring). Returns the run's summary."""
+    """Run the whole capflow DAG (see the module docstring). Returns the run's summary (its JSON form)."""
     quiet_database_locked()  # also where a worker runs the flow (no capflow CLI)
     cfg = build_config(preset, config_path, overrides, students, scst)
     summary = run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
@@ -72,29 +77,28 @@ def pipeline(preset: str = "demo", config_path: str | None = None, overrides: li
     text = what_changed(summary)
     print(text)
     create_markdown_artifact(markdown=text, key="capflow-run-summary", description="what this run changed")
-    return summary
+    return summary.to_record()
 
 
-def what_changed(summary: dict[str, Any]) -> str:
+def what_changed(summary: RunSummary) -> str:
     """A short markdown account of a run: stages re-run vs cached, the leaderboard, the champion decision."""
-    ran = [k for k, v in summary["stages"].items() if v == "ran"]
-    cached = [k for k, v in summary["stages"].items() if v == "cached"]
+    ran = [k for k, v in summary.stages.items() if v == "ran"]
+    cached = [k for k, v in summary.stages.items() if v == "cached"]
     lines = ["## capflow run summary", "",
              f"- re-ran (inputs or settings changed): {', '.join(ran) or 'nothing'}",
              f"- reused from cache: {', '.join(cached) or 'nothing'}"]
-    if summary.get("seconds"):
-        lines.append("- wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["seconds"].items()))
-    for f in summary["failed"]:
-        lines.append(f"- FAILED: {f['student']}: {f['error']}")
-    ch = summary["champion"]
-    lines.append(f"- champion: {'changed to ' + str(ch['student']) if ch['changed'] else 'unchanged'}"
-                 f" (version {ch['version']}; {ch['reason']})")
-    lines += ["", markdown(summary["leaderboard"], summary["failed"], summary.get("baseline")),
-              f"MLflow run `{summary['mlflow_run_id']}` in {summary['tracking_uri']}"]
+    if summary.seconds:
+        lines.append("- wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.seconds.items()))
+    for f in summary.failed:
+        lines.append(f"- FAILED: {f.student}: {f.error}")
+    p = summary.promotion
+    lines.append(f"- champion: {'changed to ' + str(p.candidate) if p.changed else 'unchanged'}"
+                 f" (version {p.champion_version}; {p.reason})")
+    lines += ["", markdown(summary.board), f"MLflow run `{summary.mlflow_run_id}` in {summary.tracking_uri}"]
     return "\n".join(lines)
 
 
-def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | None = None) -> dict[str, Any]:
+def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | None = None) -> RunSummary:
     from captioning import stopping
     from captioning.locks import hold_workdir
 
@@ -103,7 +107,7 @@ def run_pipeline(cfg: PipelineConfig, flow_run_id: str = "", progress: bool | No
         return _run_pipeline(cfg, flow_run_id, progress)
 
 
-def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) -> dict[str, Any]:
+def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) -> RunSummary:
     tracker = Tracker(cfg)  # fails fast (before any stage) when the tracking server is unreachable
     # the students' Dask cluster (students.dask_workers / students.dask_address) before any stage: an unreachable
     # scheduler stops the run here
@@ -122,38 +126,24 @@ def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) 
         with rc.timed("seqkd"):
             kd = seqkd_task(rc, data, feats, labels, teacher)
         results: list[StudentResult | StudentFailure] = []
-        names = list(cfg.students.names)
-        scst = cfg.students.scst.enabled
+        plans = [model_plan(cfg, n) for n in cfg.students.names]  # each student resolved once, here
         if client is not None:  # one Dask task per student, in the cluster's worker processes
-            futures = [student_remote_task.submit(rc, client, n, data, feats, labels, teacher, kd, scst)
-                       for n in names]
+            futures = [student_remote_task.submit(rc, client, p, data, feats, labels, teacher, kd) for p in plans]
             results = [f.result() for f in futures]
             tracker.end_orphaned_runs()  # the runs of a student whose worker was killed (its task ran again)
         else:  # in this process, run.parallel_students at a time (threads)
             wave = cfg.run.parallel_students
-            for i in range(0, len(names), wave):
-                futures = [student_task.submit(rc, n, data, feats, labels, teacher, kd, scst)
-                           for n in names[i: i + wave]]
+            for i in range(0, len(plans), wave):
+                futures = [student_task.submit(rc, p, data, feats, labels, teacher, kd) for p in plans[i: i + wave]]
                 with stop_threads_on_interrupt(futures):  # SIGTERM: the students stop too, not just this thread
                     results += [f.result() for f in futures]
         with rc.timed("leaderboard"):
-            board = leaderboard_task(rc, results, data)
+            board: Leaderboard = leaderboard_task(rc, results, data)
         with rc.timed("promote"):
             promo = promote_task(rc, board, data.digest, data, feats, labels)
-    return {
-        "mlflow_run_id": parent,
-        "tracking_uri": tracker.display_uri,  # credentials (from MLFLOW_TRACKING_URI) masked
-        "experiment_id": tracker.experiment_id,
-        "leaderboard": [{k: r[k] for k in ("student", "preset", "metrics", "params", "latency_ms", "unique_fraction",
-                                           "distinct_captions", "repeated_token_rate", "model_version")}
-                        for r in board["leaderboard"]],
-        "failed": board["failed"],
-        "baseline": board["baseline"],
-        "champion": {"version": promo.champion_version, "changed": promo.changed, "reason": promo.reason,
-                     "student": promo.candidate if promo.changed else None},
-        "stages": rc.stages,
-        "seconds": rc.seconds,  # wall time per stage in this run (students: in their own process or thread)
-    }
+    # wall time per stage in this run (students: in their own process or thread); credentials in the URI masked
+    return RunSummary(mlflow_run_id=parent, tracking_uri=tracker.display_uri, experiment_id=tracker.experiment_id,
+                      board=board, promotion=promo, stages=dict(rc.stages), seconds=dict(rc.seconds))
 
 
 @contextlib.contextmanager
@@ -177,120 +167,3 @@ def stop_threads_on_interrupt(futures: list, grace: float | None = None) -> Iter
         raise
 
 
-class SQLiteLockedFilter(logging.Filter):
-    """Turns an ERROR with a traceback about Prefect's SQLite database being busy ("database is locked": Prefect
-    retries these itself) into a one-line WARNING, so that a busy local database does not print tracebacks on the
-    user's terminal; every other record passes unchanged."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        chain, seen = [], set()
-        while exc is not None and id(exc) not in seen:
-            seen.add(id(exc))
-            chain.append(str(exc))
-            exc = exc.__cause__ or exc.__context__
-        if "database is locked" not in " ".join([record.getMessage(), *chain]):
-            return True
-        record.msg, record.args = "Prefect's database was busy (database is locked); the call is retried", ()
-        record.exc_info, record.exc_text, record.stack_info = None, None, None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-def quiet_database_locked(filter_: logging.Filter | None = None) -> None:
-    """Install :class:`SQLiteLockedFilter` on every handler of the root logger and of Prefect's loggers (filters
-    on handlers see the records of every child logger). Idempotent; call after Prefect configured logging."""
-    f = filter_ or _LOCKED_FILTER
-    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
-                                      if n.split(".")[0] in ("prefect", "uvicorn", "docket"))]
-    for lg in loggers:
-        for h in getattr(lg, "handlers", []):
-            if f not in h.filters:
-                h.addFilter(f)
-
-
-_LOCKED_FILTER = SQLiteLockedFilter()
-
-
-@contextlib.contextmanager
-def _server_outside_our_process_group() -> Iterator[None]:
-    """Prefect's temporary server is started in a session of its own that dies with this process (Linux parent-
-    death signal): a Ctrl-C or a process-group SIGTERM then reaches capflow only, which reports its flow run's end
-    to the server and stops it at exit, instead of the server dying first and Prefect waiting on it until the
-    grace period ran out; a SIGKILLed capflow still takes the server with it."""
-    import ctypes
-    import signal as _signal
-
-    from prefect.server.api import server as prefect_server
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the server stays in capflow's process group
-        yield
-        return
-
-    def die_with_parent() -> None:  # in the child, before exec: one system call
-        prctl(1, int(_signal.SIGTERM))  # PR_SET_PDEATHSIG
-
-    real = prefect_server.subprocess.Popen
-
-    def popen(*args: Any, **kwargs: Any):
-        kwargs.setdefault("start_new_session", True)
-        kwargs.setdefault("preexec_fn", die_with_parent)
-        return real(*args, **kwargs)
-
-    prefect_server.subprocess = _PopenOverride(prefect_server.subprocess, popen)
-    try:
-        yield
-    finally:
-        prefect_server.subprocess = prefect_server.subprocess.module
-
-
-class _PopenOverride:
-    """The ``subprocess`` module as Prefect's server module sees it during the start: Popen replaced."""
-
-    def __init__(self, module: Any, popen: Any):
-        self.module, self.Popen = module, popen
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.module, name)
-
-
-class PrefectUnavailable(InfrastructureError, RuntimeError):
-    """Prefect's temporary API server did not start."""
-
-
-def start_prefect_api() -> str | None:
-    """Without ``PREFECT_API_URL``, start Prefect's temporary (ephemeral) API server now - the flow would start it
-    on its first call - so that a failure says what happened and what to do instead of Prefect's bare
-    RuntimeError. The start-up timeout is ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` (capflow's
-    default 90 s: Prefect's 20 s is too short on a loaded machine). Returns the API URL in use."""
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_SERVER_EPHEMERAL_ENABLED,
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-    )
-
-    quiet_database_locked()
-    api = PREFECT_API_URL.value()
-    if api or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return api or None
-    from prefect.server.api.server import SubprocessASGIServer
-
-    timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
-    server = SubprocessASGIServer()
-    try:
-        with _server_outside_our_process_group():
-            server.start(timeout=timeout)
-    except Exception as e:
-        server.stop()  # a server still starting is not left behind
-        cause = " ".join(str(e).split())
-        cause = cause if len(cause) <= 600 else cause[:300] + " ... " + cause[-300:]
-        raise PrefectUnavailable(
-            f"Prefect's temporary API server did not start within {timeout} s ({cause}). A busy machine is the usual "
-            f"cause: allow it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={max(2 * timeout, 180)}), or "
-            "run a lasting server once and reuse it: capflow stack up --home DIR, then "
-            'eval "$(capflow stack env --home DIR)" and run again') from None
-    return server.api_url

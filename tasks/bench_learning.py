@@ -42,7 +42,7 @@ from captioning.data.karpathy import Dataset
 from captioning.metrics import evaluation
 from captioning.metrics.coco import METRICS
 from captioning.metrics.diversity import repetition_stats
-from captioning.training.recipe import satic_ablation, student_plan
+from captioning.training.recipe import model_plan, satic_ablation
 from tasks.common import RunContext
 from tasks.data import extract, ingest, vocab
 from tasks.refs import StudentFailure, StudentResult
@@ -98,7 +98,7 @@ def run_seed(cfg: PipelineConfig, progress: bool = False) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     def trained(key: str, plan, arch: str, kd=None) -> dict[str, Any]:
-        res = student(rc, plan, data, feats, labels, t, kd, scst=True)
+        res = student(rc, plan, data, feats, labels, t, kd)
         if isinstance(res, StudentFailure):
             raise RuntimeError(f"learning bench: {key} failed: {res.error}\n{res.traceback}")
         out = model_figures(res, arch)
@@ -111,12 +111,12 @@ def run_seed(cfg: PipelineConfig, progress: bool = False) -> dict[str, Any]:
 
     models: dict[str, Any] = {}
     t = teacher(rc, data, feats, labels)
-    models["aic"] = trained("aic", student_plan(cfg, "teacher"), cfg.teacher.model.arch)
+    models["aic"] = trained("aic", model_plan(cfg, "teacher"), cfg.teacher.model.arch)
     kd = seqkd_captions(rc, data, feats, labels, t)
     ablation: dict[str, Any] = {}
     for name in cfg.students.names:
         if name != "satic":
-            models[name] = trained(name, student_plan(cfg, name), name, kd)
+            models[name] = trained(name, model_plan(cfg, name), name, kd)
             continue
         for variant, plan in satic_ablation(cfg, name).items():
             ablation[variant] = trained(f"satic-{variant}", plan, name, kd)

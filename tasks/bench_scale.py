@@ -5,7 +5,6 @@ library's stages, on the data and outputs of the same size.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -17,7 +16,7 @@ from captioning.bench.scale import Stage
 _M = "tasks.bench_scale"
 
 
-def _dataset_path(p: Mapping[str, Any]) -> str:
+def dataset_path(p: Mapping[str, Any]) -> str:
     return Path(p["ingest_out"], "dataset.path").read_text(encoding="utf-8")
 
 
@@ -48,8 +47,8 @@ def stage_keys(p: Mapping[str, Any]) -> dict[str, Any]:
 
     cache = StageCache(p["out"])
     t0 = time.perf_counter()
-    ds = Dataset.load(_dataset_path(p))
-    data = DatasetRef(run_id="", path=_dataset_path(p), digest=ds.digest, images=len(ds.images),
+    ds = Dataset.load(dataset_path(p))
+    data = DatasetRef(run_id="", path=dataset_path(p), digest=ds.digest, images=len(ds.images),
                       captions=sum(len(e.captions) for e in ds.images), rejected_images=len(ds.rejected),
                       dropped_captions=len(ds.dropped_captions))
     t_load = time.perf_counter() - t0
@@ -83,7 +82,7 @@ def stage_mlflow(p: Mapping[str, Any]) -> dict[str, Any]:
 
     cfg = PipelineConfig.model_validate({"run": {"workdir": p["out"], "name": "bench-scale"}})
     tracker = Tracker(cfg)
-    ds = Dataset.load(_dataset_path(p))
+    ds = Dataset.load(dataset_path(p))
     summary = ds.summary()
     rejects = {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"],
                "excluded": summary["excluded"]}
@@ -112,39 +111,6 @@ def stage_mlflow(p: Mapping[str, Any]) -> dict[str, Any]:
             "feature_rejects_logged": len(fsum["rejected"]), "outputs": [p["out"]]}
 
 
-def stage_prefect(p: Mapping[str, Any]) -> dict[str, Any]:
-    """One Prefect flow run's overhead: a flow (``ThreadPoolTaskRunner``, as the pipeline) of three tasks that pass
-    this size's dataset reference along, temporary API server included (no ``PREFECT_API_URL``)."""
-    home = Path(p["out"]) / "prefect"
-    os.environ["PREFECT_HOME"] = str(home)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    from prefect import flow, task
-    from prefect.cache_policies import NO_CACHE
-    from prefect.task_runners import ThreadPoolTaskRunner
-
-    from tasks.refs import DatasetRef
-
-    doc = json.loads(Path(_dataset_path(p)).read_text(encoding="utf-8"))
-    ref = DatasetRef(run_id="", path=_dataset_path(p), digest=doc["digest"], images=len(doc["images"]),
-                     captions=sum(len(e["captions"]) for e in doc["images"]), rejected_images=len(doc["rejected"]),
-                     dropped_captions=len(doc["dropped_captions"]))
-    del doc
-
-    # no annotations: under ``from __future__ import annotations`` Prefect could not resolve a local class name
-    @task(name="pass", cache_policy=NO_CACHE)
-    def step(r):
-        return r
-
-    @flow(name="bench-scale-overhead", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=False)
-    def overhead(r):
-        return step(step(step(r)))
-
-    t0 = time.perf_counter()
-    out = overhead(ref)
-    return {"flow_seconds": time.perf_counter() - t0, "images": out.images}
-
-
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("verify", f"{_M}:stage_verify", "`capflow verify` of the feature and label stores (every chunk re-read)",
           ("tasks.verify",), needs=("vocab",)),
@@ -152,6 +118,4 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("tasks.cache", "tasks.verify", "captioning.data.karpathy"), needs=("vocab",)),
     Stage("mlflow", f"{_M}:stage_mlflow", "the data jobs' MLflow inputs, metrics and artifacts (SQLite store)",
           ("tasks.tracking", "captioning.data.karpathy"), needs=("vocab",)),
-    Stage("prefect", f"{_M}:stage_prefect", "one Prefect flow run of three tasks (temporary API server)",
-          ("prefect", "prefect.task_runners", "tasks.refs"), needs=("ingest",)),
 )}

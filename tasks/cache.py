@@ -95,6 +95,31 @@ def tree_of(rel: str) -> str:
     return "/".join(parts[:2]) if parts[0] in TREE_ROOTS and len(parts) > 1 else rel
 
 
+class LocalRecords:
+    """The run-store strategy without a run store: :class:`captioning.objectstore.ObjectStore`'s interface doing
+    nothing - records and outputs live in the workdir only (workers share its filesystem). With ``run.store`` the
+    store itself is the strategy: records and outputs mirrored to it, what one machine finished another finds."""
+
+    uri = None
+
+    def publish(self, rel: str, local: Path) -> None: ...
+    def put_json(self, name: str, doc: Any) -> None: ...
+    def delete(self, name: str) -> None: ...
+    def forget(self, rel: str) -> None: ...
+
+    def get_json(self, name: str) -> None:
+        return None
+
+    def fetch(self, rel: str, local: Path) -> bool:
+        return False
+
+    def documents(self, prefix: str) -> list[tuple[str, float]]:
+        return []
+
+    def has_blob(self, sha: str) -> bool:
+        return False
+
+
 class StageCache:
     """Stage records under ``<workdir>/stages/``: the typed result (:mod:`tasks.refs`) of each finished stage.
 
@@ -110,7 +135,15 @@ class StageCache:
 
         self.workdir_layout = Workdir(workdir)
         self.root = self.workdir_layout.stages()
-        self.store = ObjectStore(store) if isinstance(store, str) else store
+        store = ObjectStore(store) if isinstance(store, str) else store
+        #: where records are mirrored besides the workdir (the run store, or nowhere): chosen once, here
+        self.records: Any = store if store is not None else LocalRecords()
+        self.mirrored = store is not None
+
+    @property
+    def store(self) -> Any:
+        """The run store (None without one)."""
+        return self.records if self.mirrored else None
 
     @classmethod
     def of(cls, cfg: Any) -> StageCache:
@@ -136,11 +169,10 @@ class StageCache:
 
     def put(self, stage: str, key: str, result: Ref) -> None:
         self._write_local(stage, key, result)
-        if self.store is not None:
-            for tree in self.trees(result):  # the outputs first: a record on the store names only complete trees
-                self.store.publish(tree, self.workdir_layout.root / tree)
-            self.store.put_json(self._store_name(stage, key), {"stage": stage, "key": key,
-                                                               "result": self.portable(result).to_record()})
+        for tree in self.trees(result):  # the outputs first: a record on the store names only complete trees
+            self.records.publish(tree, self.workdir_layout.root / tree)
+        self.records.put_json(self._store_name(stage, key), {"stage": stage, "key": key,
+                                                             "result": self.portable(result).to_record()})
 
     def _write_local(self, stage: str, key: str, result: Ref) -> None:
         p = self.path(stage, key)
@@ -154,9 +186,8 @@ class StageCache:
         self.path(stage, key).unlink(missing_ok=True)
         folder = self.workdir_layout.stage_dir(stage, key)
         shutil.rmtree(folder, ignore_errors=True)
-        if self.store is not None:
-            self.store.delete(self._store_name(stage, key))
-            self.store.forget(self._relative(str(folder)) or "")
+        self.records.delete(self._store_name(stage, key))
+        self.records.forget(self._relative(str(folder)) or "")
 
     def latest(self, stage: str, kind: type[R]) -> R | None:
         """The most recently written readable record of ``stage`` (what single-stage commands fall back to);
@@ -172,13 +203,11 @@ class StageCache:
                         return kind.from_record(doc["result"])
                 except (StageRecordError, RecordMismatch):
                     continue
-        if self.store is None:
-            return None
-        for name, _ in self.store.documents("stages"):
+        for name, _ in self.records.documents("stages"):
             base = name.rsplit("/", 1)[-1]
             if not base.startswith(prefix if prefix is not None else f"{stage}-"):
                 continue
-            doc = self.store.get_json(name)
+            doc = self.records.get_json(name)
             if not isinstance(doc, dict) or not isinstance(doc.get("result"), dict):
                 continue
             got = str(doc.get("stage", ""))
@@ -193,40 +222,48 @@ class StageCache:
         """A private folder for the stage's outputs (checkpoints), stable across re-runs with the same key; with a
         run store, what an earlier attempt published of it is fetched first."""
         d = self.workdir_layout.stage_dir(stage, key)
-        if self.store is not None:
-            rel = self._relative(str(d))
-            if rel and self.store.fetch(rel, d):
-                log.info("%s: resumed from %s", d, self.store.uri)
+        rel = self._relative(str(d))
+        if rel and self.records.fetch(rel, d):
+            log.info("%s: resumed from %s", d, self.records.uri)
         d.mkdir(parents=True, exist_ok=True)
         return d
 
     def sync(self, path: str | Path) -> None:
         """Publish the workdir tree holding ``path`` to the run store again (nothing without one)."""
-        if self.store is None:
-            return
         rel = self._relative(str(path))
         if rel is not None:
             tree = tree_of(rel)
-            self.store.publish(tree, self.workdir_layout.root / tree)
+            self.records.publish(tree, self.workdir_layout.root / tree)
+
+    def blob(self, sha256: str, dest: Path) -> Path | None:
+        """A content-addressed file of the run store (the images extraction put there) at ``dest``; None when it is
+        not there (or there is no run store)."""
+        return Path(self.records.get_blob(sha256, dest)) if self.records.has_blob(sha256) else None
+
+    def shipped(self, ref: R) -> R:
+        """``ref`` as another process receives it: its workdir paths ``@run/...`` when the records are mirrored
+        (the receiver materialises them from the run store), else absolute (it shares this filesystem)."""
+        if self.mirrored:
+            return self.portable(ref)
+        fields = {k: os.path.abspath(v) for k, v in self._paths(ref).items() if "://" not in v}
+        return dataclasses.replace(ref, **fields) if fields else ref
 
     # ------------------------------------------------------------------ the run store's form of a record
     def _store_name(self, stage: str, key: str) -> str:
         return f"stages/{self.path(stage, key).name}"
 
     def _from_store(self, stage: str, key: str, kind: type[R]) -> R | None:
-        if self.store is None:
-            return None
-        doc = self.store.get_json(self._store_name(stage, key))
+        doc = self.records.get_json(self._store_name(stage, key))
         if doc is None:
             return None
         if not (isinstance(doc, dict) and doc.get("key") == key and isinstance(doc.get("result"), dict)):
-            log.warning("%s/%s is not a record of this stage; the stage runs again", self.store.uri,
+            log.warning("%s/%s is not a record of this stage; the stage runs again", self.records.uri,
                         self._store_name(stage, key))
             return None
         try:
             result = self.materialise(kind.from_record(doc["result"]))
         except RecordMismatch as e:
-            log.warning("%s/%s: %s; the stage runs again", self.store.uri, self._store_name(stage, key), e)
+            log.warning("%s/%s: %s; the stage runs again", self.records.uri, self._store_name(stage, key), e)
             return None
         self._write_local(stage, key, result)
         return result
@@ -261,11 +298,11 @@ class StageCache:
         rels = {k: v[len(PORTABLE):] for k, v in self._paths(ref).items() if v.startswith(PORTABLE)}
         if not rels:
             return ref
-        if self.store is None:
+        if not self.mirrored:
             raise ObjectStoreError(f"a {type(ref).__name__} names run-store paths ({sorted(rels.values())}) but "
                                    "no run.store is configured")
         root = self.workdir_layout.root
         for tree in sorted({tree_of(r) for r in rels.values()}):
-            if not self.store.fetch(tree, root / tree):
-                raise ObjectStoreError(f"{self.store.uri} has no {tree}, which a {type(ref).__name__} names")
+            if not self.records.fetch(tree, root / tree):
+                raise ObjectStoreError(f"{self.records.uri} has no {tree}, which a {type(ref).__name__} names")
         return dataclasses.replace(ref, **{k: str(root / r) for k, r in rels.items()})

@@ -1,4 +1,4 @@
-"""The data stages as jobs - ingest, extract (or import) region features, vocab - and their Prefect tasks.
+"""The data stages as jobs - ingest, extract (or import) region features, vocab (the flow wraps them in its tasks).
 
 A job takes a :class:`RunContext` and the typed results of the stages before it and returns its own
 (:mod:`tasks.refs`). The pipeline's tasks and the single-stage commands (``capflow ingest|extract|vocab|
@@ -13,9 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from captioning.data.karpathy import Dataset
 from captioning.data.plans import extract_plan, ingest_plan, vocab_plan
 from captioning.data.prepare import ingest as read_dataset
@@ -26,8 +23,6 @@ from tasks.cache import stage_key
 from tasks.common import RunContext, log
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef
 from tasks.verify import features_intact
-
-RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
 
 
 class MissingStageError(InputError, RuntimeError):
@@ -203,8 +198,3 @@ def vocab(rc: RunContext, data: DatasetRef, feats: FeaturesRef | None) -> Labels
         run_id=run, vocab_path=str(res.vocab_path), labels_uri=res.labels_uri, labels_digest=digest,
         vocab_digest=res.vocab.digest(), features_uri=feats.uri if feats else None,
         features_digest=feats.digest if feats else None, words=len(res.vocab.words), captions=res.captions))
-
-
-ingest_task = task(ingest, name="ingest", **RETRY)
-extract_task = task(extract, name="extract", **RETRY)
-vocab_task = task(vocab, name="vocab", **RETRY)

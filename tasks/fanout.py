@@ -26,7 +26,6 @@ the finished student's folder (:meth:`tasks.cache.StageCache.materialise`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -34,13 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from captioning.config import PipelineConfig
 from captioning.errors import InfrastructureError
+from captioning.training.recipe import ModelPlan
 from captioning.util import usable_cpus
-from tasks.cache import PATH_FIELDS
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 
 log = logging.getLogger("capflow.pipeline")
@@ -104,13 +100,6 @@ def absolute(path: str | None) -> str | None:
     return os.path.abspath(path)
 
 
-def absolute_paths(ref: R) -> R:
-    """A stage result with its local paths made absolute (a worker's working directory is not the flow's)."""
-    fields = {f.name: absolute(getattr(ref, f.name)) for f in dataclasses.fields(ref)
-              if f.name in PATH_FIELDS and isinstance(getattr(ref, f.name), str)}
-    return dataclasses.replace(ref, **fields)
-
-
 def worker_config(cfg: PipelineConfig) -> PipelineConfig:
     """The config a worker runs with: ``run.workdir``, ``features.store``, ``features.extractor.weights``, the
     dataset's files and ``evaluation.spice_jars`` absolute, SPICE's jar folder taken from the flow's
@@ -150,25 +139,28 @@ class StudentJob:
     cfg_json: str  # worker_config: local paths absolute
     tracking_uri: str  # the flow's resolved MLflow tracking URI (credentials, if any, from the worker's environment)
     parent_run: str
-    name: str
+    plan_json: str  # the student's ModelPlan, resolved by the flow
     data: DatasetRef
     feats: FeaturesRef
     labels: LabelsRef
     teacher: TeacherRef | None
     kd: SeqKDRef | None
-    scst: bool
     threads: int
 
+    @property
+    def plan(self) -> ModelPlan:
+        return ModelPlan.from_json(self.plan_json)
 
-def student_job(rc: Any, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef, teacher: TeacherRef,
-                kd: SeqKDRef, scst: bool) -> StudentJob:
+
+def student_job(rc: Any, plan: ModelPlan, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
+                teacher: TeacherRef | None, kd: SeqKDRef | None) -> StudentJob:
     """The flow's side: one student's job for a worker (see :class:`StudentJob`). With a run store the stage
     results name workdir paths relative to it (``@run/...``): the worker fetches them into its own copy."""
-    local = absolute_paths if rc.cache.store is None else rc.cache.portable
+    ship = rc.cache.shipped
     return StudentJob(cfg_json=worker_config(rc.cfg).model_dump_json(), tracking_uri=rc.tracker.uri,
-                      parent_run=rc.parent_run, name=name, data=local(data), feats=local(feats),
-                      labels=local(labels), teacher=local(teacher) if teacher is not None else None, kd=kd,
-                      scst=scst, threads=student_threads(rc.cfg))
+                      parent_run=rc.parent_run, plan_json=plan.to_json(), data=ship(data), feats=ship(feats),
+                      labels=ship(labels), teacher=ship(teacher) if teacher is not None else None, kd=kd,
+                      threads=student_threads(rc.cfg))
 
 
 def student_on_worker(job: StudentJob) -> tuple[StudentResult | StudentFailure, str]:
@@ -186,18 +178,19 @@ def student_on_worker(job: StudentJob) -> tuple[StudentResult | StudentFailure, 
     from tasks.tracking import Tracker, sqlite_path
     from tasks.training import student
 
+    plan = job.plan
     db = sqlite_path(job.tracking_uri)
     if db is not None and not db.is_file():  # never a store of the worker's own: the runs would not be found
-        return StudentFailure(student=job.name, error=(
+        return StudentFailure(student=plan.label, error=(
             f"the flow's MLflow store {db} is not visible on this Dask worker; give the workers the same "
             "filesystem at the same path, or record into a tracking server (MLFLOW_TRACKING_URI / "
             "tracking.tracking_uri = http(s)://...)")), "failed"
     cfg = PipelineConfig.model_validate_json(job.cfg_json)
     if cfg.run.store:  # nothing of the flow's filesystem: this worker's own copy of the run store
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"workdir": str(worker_workdir(cfg.run.store))})})
-    if cfg.students.nproc > 1 and multiprocessing.current_process().daemon:
-        return StudentFailure(student=job.name, error=(
-            f"students.nproc={cfg.students.nproc} starts data-parallel processes, which this Dask worker (a daemonic "
+    if plan.nproc > 1 and multiprocessing.current_process().daemon:
+        return StudentFailure(student=plan.label, error=(
+            f"students.nproc={plan.nproc} starts data-parallel processes, which this Dask worker (a daemonic "
             "process) may not have: start the workers with DASK_DISTRIBUTED__WORKER__DAEMON=False in their "
             "environment (capflow's own LocalCluster does this)")), "failed"
     torch.set_num_threads(job.threads)
@@ -209,21 +202,22 @@ def student_on_worker(job: StudentJob) -> tuple[StudentResult | StudentFailure, 
         data, feats, labels = (cache.materialise(r) for r in (job.data, job.feats, job.labels))
         teacher = cache.materialise(job.teacher) if job.teacher is not None else None
     except Exception as e:  # the run store is unreachable or lacks what the flow published
-        return StudentFailure(student=job.name, error=f"{type(e).__name__}: {e}"), "failed"
-    res = student(rc, job.name, data, feats, labels, teacher, job.kd, job.scst)
-    state = "failed" if isinstance(res, StudentFailure) else rc.stages.get(f"student-{job.name}", "ran")
-    if cache.store is not None and isinstance(res, StudentResult):
-        res = cache.portable(res)  # the flow fetches the student's folder from the store
+        return StudentFailure(student=plan.label, error=f"{type(e).__name__}: {e}"), "failed"
+    res = student(rc, plan, data, feats, labels, teacher, job.kd)
+    state = "failed" if isinstance(res, StudentFailure) else rc.stages.get(plan.stage, "ran")
+    if isinstance(res, StudentResult):
+        res = cache.shipped(res)  # with a run store the flow fetches the student's folder from it
     return res, state
 
 
-def student_remote(rc: Any, client: Any, name: str, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
-                   teacher: TeacherRef, kd: SeqKDRef, scst: bool = True) -> StudentResult | StudentFailure:
+def student_remote(rc: Any, client: Any, plan: ModelPlan, data: DatasetRef, feats: FeaturesRef, labels: LabelsRef,
+                   teacher: TeacherRef | None, kd: SeqKDRef | None) -> StudentResult | StudentFailure:
     """One student as a Dask task (``GPU=1`` where the workers offer it), waited for; never raises. A task lost
     with its worker more often than Dask allows is that student's failure."""
+    name = plan.label
     resources = {"GPU": 1} if _offers_gpus(client) else None
-    fut = client.submit(student_on_worker, student_job(rc, name, data, feats, labels, teacher, kd, scst),
-                        key=f"student-{name}-{rc.parent_run}", pure=False, resources=resources)
+    fut = client.submit(student_on_worker, student_job(rc, plan, data, feats, labels, teacher, kd),
+                        key=f"{plan.stage}-{rc.parent_run}", pure=False, resources=resources)
     try:
         res, state = fut.result()
     except Exception as e:  # the worker died more often than distributed.scheduler.allowed-failures
@@ -235,7 +229,7 @@ def student_remote(rc: Any, client: Any, name: str, data: DatasetRef, feats: Fea
         except Exception as e:
             log.error("student %s: its outputs cannot be fetched from the run store: %s", name, e)
             res, state = StudentFailure(student=name, error=f"{type(e).__name__}: {e}"), "failed"
-    rc.stages[f"student-{name}" if state != "failed" else f"student:{name}"] = state
+    rc.stages[plan.stage] = state
     return res
 
 
@@ -243,5 +237,3 @@ def _offers_gpus(client: Any) -> bool:
     workers = client.scheduler_info().get("workers", {})
     return any((w.get("resources") or {}).get("GPU") for w in workers.values())
 
-
-student_remote_task = task(student_remote, name="train-student", cache_policy=NO_CACHE)

@@ -38,7 +38,7 @@ class ModelResolveError(InputError, RuntimeError):
         super().__init__(redact(message))  # the tracking URI (MLFLOW_TRACKING_URI) may hold credentials
 
 
-def default_cache_dir() -> Path:
+def model_cache_dir() -> Path:
     return Path(os.environ.get("CAPFLOW_MODEL_CACHE", "~/.cache/capflow/models")).expanduser()
 
 
@@ -138,7 +138,7 @@ def resolve_model(ref: str, tracking_uri: str | None = None, cache_dir: str | Pa
 
     key = hashlib.sha256(uri.encode()).hexdigest()[:12]
     run = (mv.run_id or "norun")[:12]
-    target = Path(cache_dir or default_cache_dir()) / key / _slug(name) / f"v{mv.version}-{run}"
+    target = Path(cache_dir or model_cache_dir()) / key / _slug(name) / f"v{mv.version}-{run}"
     if _complete(target):
         return target
     source = mv.source or (f"runs:/{mv.run_id}/model" if mv.run_id else "")

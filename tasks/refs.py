@@ -144,3 +144,84 @@ class Promotion(Ref):
     previous_version: str | None = None
     champion_cider: float | None = None  # the previous champion's test CIDEr on this run's test set
     rescored: str | None = None  # how the previous champion was scored on this run's test set, when it was
+
+
+@dataclass(frozen=True)
+class Row(Ref):
+    """One finished student on the leaderboard."""
+    student: str
+    preset: str
+    metrics: dict[str, float | None]
+    params: int
+    latency_ms: float
+    unique_fraction: float
+    distinct_captions: int
+    repeated_token_rate: float
+    run_id: str
+    model_version: str | None
+
+    @classmethod
+    def of(cls, r: StudentResult) -> Row:
+        return cls(student=r.student, preset=r.preset, metrics=r.metrics, params=r.params, latency_ms=r.latency_ms,
+                   unique_fraction=r.unique_fraction, distinct_captions=r.distinct_captions,
+                   repeated_token_rate=r.repeated_token_rate, run_id=r.run_id, model_version=r.model_version)
+
+    @property
+    def cider(self) -> float:
+        return self.metrics.get("CIDEr") or 0.0
+
+
+@dataclass(frozen=True)
+class Baseline(Ref):
+    """The most-frequent-training-caption baseline on the test split."""
+    caption: str
+    metrics: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class Leaderboard(Ref):
+    """The run's students ranked (best first), the failed ones, and the baseline beside them (``leaderboard``)."""
+    rows: tuple[Row, ...]
+    failed: tuple[StudentFailure, ...] = ()
+    baseline: Baseline | None = None
+
+    @property
+    def best(self) -> Row | None:
+        return self.rows[0] if self.rows else None
+
+    def to_record(self) -> dict[str, Any]:
+        return {"leaderboard": [r.to_record() for r in self.rows],
+                "failed": [{"student": f.student, "error": f.error} for f in self.failed],
+                "baseline": self.baseline.to_record() if self.baseline is not None else None}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Leaderboard:
+        base = record.get("baseline")
+        return cls(rows=tuple(Row.from_record(r) for r in record.get("leaderboard", [])),
+                   failed=tuple(StudentFailure.from_record(f) for f in record.get("failed", [])),
+                   baseline=Baseline.from_record(base) if base else None)
+
+
+@dataclass(frozen=True)
+class RunSummary(Ref):
+    """What a pipeline run did (``capflow run``'s output, the flow's result and its Prefect artifact)."""
+    mlflow_run_id: str
+    tracking_uri: str  # credentials masked
+    experiment_id: str | None
+    board: Leaderboard
+    promotion: Promotion
+    stages: dict[str, str]  # stage -> ran | cached | failed
+    seconds: dict[str, float]  # wall time per stage in this run
+
+    @property
+    def failed(self) -> tuple[StudentFailure, ...]:
+        return self.board.failed
+
+    def to_record(self) -> dict[str, Any]:
+        """The summary as JSON (``capflow run --json``, the flow's return value)."""
+        p = self.promotion
+        return {"mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.tracking_uri,
+                "experiment_id": self.experiment_id, **self.board.to_record(),
+                "champion": {"version": p.champion_version, "changed": p.changed, "reason": p.reason,
+                             "student": p.candidate if p.changed else None},
+                "stages": dict(self.stages), "seconds": dict(self.seconds)}

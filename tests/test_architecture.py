@@ -187,3 +187,23 @@ def test_the_recipe_dag_is_composed_by_jobs_only():
         if any(m.startswith("captioning.training.stages") for m in _imports(p, name, module_level=False)):
             offenders.append(name)
     assert offenders == []
+
+
+def test_prefect_stays_in_the_orchestration_layer():
+    """Only `flows/` imports Prefect (function bodies included): the library and the jobs run without the
+    orchestrator. The flow wraps the jobs in its tasks; `capflow train`/`evaluate` and a Dask worker's student job
+    (`tasks.fanout.student_on_worker`) import no Prefect."""
+    import subprocess
+    import sys
+
+    bad = [f"{m} imports {i}" for m, p in _modules().items() if not m.startswith("flows.") and m != "flows"
+           for i in _imports(p, m, module_level=False) if i.split(".")[0] == "prefect"]
+    assert bad == []
+    code = ("import contextlib, io, sys, tasks.training, tasks.fanout, tasks.data, tasks.report, tasks.bench_learning\n"
+            "from flows.cli import main\n"
+            "for argv in (['train', '--help'], ['evaluate', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        main(argv)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -350,21 +350,23 @@ def test_scst_batch_size_defaults_to_the_loaders_and_can_be_its_own():
 
 
 def test_per_student_overrides_merge_over_the_defaults_and_name_known_students():
-    from captioning.training.recipe import scst_settings, student_plan
+    from captioning.training.recipe import model_plan
+
+    def scst_epochs(cfg, name):
+        return model_plan(cfg, name).scst.settings.epochs
 
     cfg = load_config("learning")
     sc = cfg.students.scst
     assert cfg.students.per_student["expansionnet"].scst_epochs == 10 and sc.epochs == 5
-    assert scst_settings(sc, cfg, "expansionnet").epochs == 10
-    assert [scst_settings(sc, cfg, s).epochs for s in ("acort", "lw", "satic", "zodiac", "aic")] == [5] * 5
-    assert scst_settings(sc, cfg).epochs == 5  # no student named: the section's epochs
+    assert scst_epochs(cfg, "expansionnet") == 10
+    assert [scst_epochs(cfg, s) for s in ("acort", "lw", "satic", "zodiac", "teacher")] == [5] * 5
     # the preset's entry came on top of the default one: SATIC keeps SeqKD and the teacher's weights
-    assert (student_plan(cfg, "satic").captions, student_plan(cfg, "satic").init_from_teacher) == ("seqkd", True)
+    assert (model_plan(cfg, "satic").captions, model_plan(cfg, "satic").init_from_teacher) == ("seqkd", True)
     cfg = load_config("demo", overrides=["students.scst.epochs=3", "students.per_student.lw-2x.scst_epochs=7",
                                          "students.per_student.satic.seqkd=false", "students.per_student.lw.seqkd=1"])
-    assert scst_settings(cfg.students.scst, cfg, "lw-2x").epochs == 7  # a registry preset name
-    assert scst_settings(cfg.students.scst, cfg, "lw").epochs == 3
-    satic, lw = student_plan(cfg, "satic"), student_plan(cfg, "lw")
+    assert scst_epochs(cfg, "lw-2x") == 7  # a registry preset name
+    assert scst_epochs(cfg, "lw") == 3
+    satic, lw = model_plan(cfg, "satic"), model_plan(cfg, "lw")
     assert (satic.captions, satic.init_from_teacher) == ("ground_truth", True)  # field by field
     assert (lw.captions, lw.init_from_teacher) == ("seqkd", False)
     with pytest.raises(ConfigError, match=r"per_student.*unknown student 'expnet'"):
@@ -378,16 +380,16 @@ def test_per_student_overrides_merge_over_the_defaults_and_name_known_students()
 def test_the_old_per_student_shapes_are_read_with_a_warning():
     """``seqkd_for`` / ``teacher_init_for`` lists (the whole set: a default student left out is off) and
     ``scst.epochs_for`` become ``students.per_student`` entries, with a FutureWarning."""
-    from captioning.training.recipe import student_plan
+    from captioning.training.recipe import model_plan
 
     with pytest.warns(FutureWarning, match=r"students.seqkd_for is now called students.per_student.<name>.seqkd"):
         cfg = load_config("demo", overrides=["students.seqkd_for=[lw]", "students.scst.epochs_for.zodiac=4"])
-    assert student_plan(cfg, "lw").captions == "seqkd" and student_plan(cfg, "satic").captions == "ground_truth"
-    assert student_plan(cfg, "satic").init_from_teacher  # teacher_init_for not given: the default holds
-    assert cfg.students.scst_for("zodiac").epochs == 4
+    assert model_plan(cfg, "lw").captions == "seqkd" and model_plan(cfg, "satic").captions == "ground_truth"
+    assert model_plan(cfg, "satic").init_from_teacher  # teacher_init_for not given: the default holds
+    assert model_plan(cfg, "zodiac").scst.settings.epochs == 4
     with pytest.warns(FutureWarning, match="teacher_init_for"):
         cfg = load_config("demo", overrides=["students.teacher_init_for=[]"])
-    assert not student_plan(cfg, "satic").init_from_teacher and student_plan(cfg, "satic").captions == "seqkd"
+    assert not model_plan(cfg, "satic").init_from_teacher and model_plan(cfg, "satic").captions == "seqkd"
     with pytest.raises(ConfigError, match="must be a list of student names"):
         load_config("demo", overrides=["students.seqkd_for=lw"])
 

@@ -65,12 +65,12 @@ from captioning.features.selection import (
     overlap_masks,
     select_boxes,
 )
-from captioning.features.weights import (  # noqa: F401 - resolve_weights/default_cache_dir: the extractor's API
-    default_cache_dir,
+from captioning.features.weights import (  # noqa: F401 - resolve_weights/weights_cache_dir: the extractor's API
     find_key,
     read_checkpoint,
     resolve,
     resolve_weights,
+    weights_cache_dir,
 )
 from captioning.util import resolve_device
 
@@ -266,7 +266,7 @@ class RegionExtractor:
             self.weights_digest = f"random-init:{cfg.seed}:{cfg.model_config_file}"
             self.weights_path: Path | None = None
         else:
-            path, digest = resolve(cfg.weights, cfg.weights_sha256, Path(cache_dir or default_cache_dir()))
+            path, digest = resolve(cfg.weights, cfg.weights_sha256, Path(cache_dir or weights_cache_dir()))
             self.weights_digest, self.weights_path = digest, path
             checkpoint = read_checkpoint(path)
 

@@ -81,11 +81,11 @@ def checkpoint_layout(ex: ExtractorConfig) -> dict[str, Any]:
     """The bottom-up layout of the configured weights, as recognised from the file (checked before any worker
     starts, so a wrong file fails the run at once); the released layout for random weights."""
     from captioning.features.bottom_up import default_layout, recognise_layout
-    from captioning.features.weights import default_cache_dir, read_checkpoint, resolve
+    from captioning.features.weights import read_checkpoint, resolve, weights_cache_dir
 
     if ex.weights is None:
         return {**default_layout(ex.flavour).describe(), "random_init": True}
-    path, _ = resolve(ex.weights, ex.weights_sha256, default_cache_dir())
+    path, _ = resolve(ex.weights, ex.weights_sha256, weights_cache_dir())
     return recognise_layout(read_checkpoint(path)["model"], expect=ex.flavour).describe()
 
 

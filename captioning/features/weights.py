@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 
-def default_cache_dir() -> Path:
+def weights_cache_dir() -> Path:
     return Path(os.environ.get("CAPFLOW_WEIGHTS_CACHE", "~/.cache/capflow/weights")).expanduser()
 
 

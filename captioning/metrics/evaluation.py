@@ -13,7 +13,9 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -116,36 +118,69 @@ def latency_ms(model, source: FeatureSource, rows: np.ndarray, *, max_tokens: in
     return statistics.median(times) if times else float("nan")
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One model's scores on one split: the caption metrics (``metrics``: pycocoevalcap's names; None = not
+    computed, e.g. SPICE without its jars), its size and speed, the diversity of its captions and the captions
+    themselves (``predictions``: COCO results, ``[{"image_id", "caption"}]``)."""
+
+    metrics: dict[str, float | None]
+    spice: Any
+    images: int
+    beam: int
+    params: int
+    params_convention: str
+    latency_ms: float
+    decoding_constraint: bool
+    novel_fraction: float
+    unique_fraction: float
+    avg_length: float
+    vocab_used: int
+    distinct_captions: int
+    repeat_caption_fraction: float
+    repeated_token_rate: float
+    predictions: list[dict[str, Any]] = field(repr=False, default_factory=list)
+
+    #: the figures beside the metrics that the pipeline logs and ranks by
+    SUMMARY: ClassVar[tuple[str, ...]] = ("params", "latency_ms", "novel_fraction", "avg_length", "unique_fraction",
+                                          "distinct_captions", "repeat_caption_fraction", "repeated_token_rate")
+
+    def summary(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.SUMMARY}
+
+    def scored(self) -> dict[str, float]:
+        """The metrics that were computed."""
+        return {k: v for k, v in self.metrics.items() if v is not None}
+
+    def to_json(self, predictions: bool = False) -> dict[str, Any]:
+        """The evaluation as JSON (``metrics.json``); the captions only when asked."""
+        d = asdict(self)
+        if not predictions:
+            d.pop("predictions")
+        return d
+
+
 def evaluate_model(model, source: FeatureSource, rows: np.ndarray, references: Mapping[int, Sequence[str]],
                    vocab: Vocabulary, *, codec: RadixCodec | None, max_tokens: int, beam: int = 3,
                    train_captions: Iterable[str] = (), params_convention: str = "full",
                    spice_jars: str | Path | None = None, latency_images: int = 20, batch_size: int = 50,
                    device: str | torch.device = "cpu", progress: bool = False, precision: str = "fp32",
-                   decoding_constraint: bool = False) -> dict:
-    """Predictions + metrics JSON of one model on one split (ARCHITECTURE.md, "Predictions and metrics")."""
+                   decoding_constraint: bool = False) -> Evaluation:
+    """Predictions + metrics of one model on one split (ARCHITECTURE.md, "Predictions and metrics")."""
     preds = predict(model, source, rows, vocab, codec=codec, max_tokens=max_tokens, beam=beam,
                     batch_size=batch_size, device=device, progress=progress, precision=precision,
                     decoding_constraint=decoding_constraint)
     scored = score(preds, references, spice_jars=spice_jars)
     stats = caption_stats(preds, train_captions)
     reps = repetition_stats(preds.values())
-    return {
-        "metrics": scored["metrics"],
-        "spice": scored["spice"],
-        "images": scored["images"],
-        "beam": beam,
-        "params": count(model, params_convention),
-        "params_convention": params_convention,
-        "latency_ms": latency_ms(model, source, rows, max_tokens=max_tokens, beam=beam, images=latency_images,
-                                 device=device, precision=precision, decoding_constraint=decoding_constraint,
-                                 codec=codec),
-        "decoding_constraint": decoding_constraint,
-        "novel_fraction": stats["novel_fraction"],
-        "unique_fraction": stats["unique_fraction"],
-        "avg_length": stats["avg_length"],
-        "vocab_used": stats["vocab_used"],
-        "distinct_captions": reps["distinct_captions"],
-        "repeat_caption_fraction": reps["repeat_caption_fraction"],
-        "repeated_token_rate": reps["repeated_token_rate"],
-        "predictions": [{"image_id": k, "caption": v} for k, v in sorted(preds.items())],
-    }
+    return Evaluation(
+        metrics=scored["metrics"], spice=scored["spice"], images=scored["images"], beam=beam,
+        params=count(model, params_convention), params_convention=params_convention,
+        latency_ms=latency_ms(model, source, rows, max_tokens=max_tokens, beam=beam, images=latency_images,
+                              device=device, precision=precision, decoding_constraint=decoding_constraint,
+                              codec=codec),
+        decoding_constraint=decoding_constraint, novel_fraction=stats["novel_fraction"],
+        unique_fraction=stats["unique_fraction"], avg_length=stats["avg_length"], vocab_used=stats["vocab_used"],
+        distinct_captions=reps["distinct_captions"], repeat_caption_fraction=reps["repeat_caption_fraction"],
+        repeated_token_rate=reps["repeated_token_rate"],
+        predictions=[{"image_id": k, "caption": v} for k, v in sorted(preds.items())])

@@ -115,10 +115,10 @@ def _bundle_detector(out: Path, features: dict[str, Any], cache_dir: str | Path 
     uri = ex.get("weights")
     if not uri:
         return features
-    from captioning.features.weights import default_cache_dir, resolve_weights
+    from captioning.features.weights import resolve_weights, weights_cache_dir
     from captioning.util import sha256_file
 
-    src = resolve_weights(str(uri), ex.get("weights_sha256"), Path(cache_dir) if cache_dir else default_cache_dir())
+    src = resolve_weights(str(uri), ex.get("weights_sha256"), Path(cache_dir) if cache_dir else weights_cache_dir())
     digest = sha256_file(src)  # resolve_weights has checked it against a pinned weights_sha256
     rel = f"{DETECTOR_DIR}/{src.name}"
     dst = out / rel

@@ -75,15 +75,35 @@ class TrainSettings:
     seed: int = 0
 
 
-@dataclass
-class TrainResult:
+@dataclass(frozen=True)
+class FitResult:
+    """One training run (XE or SCST): its best validation metric and epoch (SCST: -1 = no epoch beat the starting
+    weights), the epochs' history, its checkpoints, what an initialisation checkpoint filled (``init_loaded`` /
+    ``init_skipped`` tensors; None: no initialisation), the processes and the wall seconds. JSON-able
+    (``dataclasses.asdict``): what a data-parallel rank returns."""
+
     best_metric: float
-    best_epoch: int
+    best_epoch: int | None
     epochs_run: int
     history: list[dict[str, Any]] = field(default_factory=list)
-    last_checkpoint: Path | None = None
-    best_checkpoint: Path | None = None
+    last_checkpoint: str | None = None
+    best_checkpoint: str | None = None
     resumed_from_epoch: int = 0
+    init_loaded: int | None = None
+    init_skipped: int | None = None
+    processes: int = 1
+    seconds: float = 0.0
+
+    @property
+    def checkpoint(self) -> str:
+        """The weights that go on: the best checkpoint (the last when none was selected)."""
+        return str(self.best_checkpoint or self.last_checkpoint)
+
+    @property
+    def init(self) -> dict[str, int]:
+        """``init_loaded`` / ``init_skipped`` as metrics (empty without an initialisation)."""
+        return {} if self.init_loaded is None else {"init_loaded": self.init_loaded,
+                                                    "init_skipped": int(self.init_skipped or 0)}
 
 
 def make_optimizer(model: torch.nn.Module, s: TrainSettings, steps_per_epoch: int):
@@ -260,7 +280,7 @@ def train(
     stop_after_steps: int | None = None,
     distributed: bool | None = None,
     select_start: bool = False,
-) -> TrainResult:
+) -> FitResult:
     """Train until ``settings.epochs`` (resuming from ``ckpt_dir/last.pt`` if present).
 
     ``loss_fn(model, batch)`` replaces the XE loss (SCST uses this loop with its own loss). It returns either a
@@ -277,7 +297,7 @@ def train(
 
     ``select_start``: validate the starting weights before the first epoch and let them compete for ``best.pt``
     (as epoch -1): fine-tuning (SCST) then never returns a model worse on validation than the one it started
-    from. ``TrainResult.best_epoch == -1`` says no epoch beat the start."""
+    from. ``FitResult.best_epoch == -1`` says no epoch beat the start."""
     s = settings
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -381,10 +401,10 @@ def train(
     if world > 1:
         del wrapped
         dist.barrier()  # rank 0's checkpoints are written before any rank returns
-    return TrainResult(best_metric=best, best_epoch=best_epoch, epochs_run=epoch + 1, history=history,
-                       last_checkpoint=last if last.exists() else None,
-                       best_checkpoint=ckpt_dir / "best.pt" if (ckpt_dir / "best.pt").exists() else None,
-                       resumed_from_epoch=start_epoch)
+    return FitResult(best_metric=best, best_epoch=best_epoch, epochs_run=epoch + 1, history=history,
+                     last_checkpoint=str(last) if last.exists() else None,
+                     best_checkpoint=str(ckpt_dir / "best.pt") if (ckpt_dir / "best.pt").exists() else None,
+                     resumed_from_epoch=start_epoch, processes=world)
 
 
 def _validate_start(model: Captioner, validate: Callable[[Captioner], dict[str, float]], ckpt_dir: Path,

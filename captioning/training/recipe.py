@@ -1,22 +1,23 @@
-"""From config to training objects: which architecture a student name means at which size, how long its
-sequences are, which captions it trains on, and the train settings of each stage.
+"""From config to one plan per model: which architecture a name means at which size, which captions it trains on,
+how it starts, its XE and SCST settings and how it is evaluated - decided once, by :func:`model_plan`.
 
-One place maps the pipeline's vocabulary (``teacher.model``, ``students.names``/``size``/``per_student``,
-``xe``/``scst`` sections) onto the library: :class:`StudentPlan` (what a student name means), :class:`StagePlan`
-(what the stage functions of :mod:`captioning.training.stages` read - they never see the pipeline config) and
-:class:`TrainPlan` (one model's training, for :func:`~captioning.training.stages.run_training`). The CLI, the
-pipeline's jobs and the benchmarks build their plans here, so identical configs build identical models.
+A :class:`ModelPlan` is the only description of a model to train (the teacher, a student, an ablation variant).
+It is frozen and JSON-able: the pipeline's jobs build it from the config and hand it down; data-parallel ranks,
+torchrun jobs and Dask workers receive it as text. The library's stage functions
+(:mod:`captioning.training.stages`) read the plan, never the pipeline config. A student's ``students.per_student``
+entry is applied here and nowhere else.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from captioning.config import ModelConfig, PipelineConfig, SCSTConfig, XEConfig
+from captioning.config import PipelineConfig, SCSTConfig, XEConfig
 from captioning.data.karpathy import SPLIT_CODES
 from captioning.data.loader import CaptionDataset, FeatureSource
 from captioning.data.stores import GROUND_TRUTH, Labels
@@ -42,6 +43,9 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "tiny": (32, 1, 2, 64),
 }
 
+#: the names that mean the AIC teacher (``capflow train --model``, the teacher as an evaluated model)
+TEACHER_NAMES = ("teacher", "aic")
+
 
 def preset_name(name: str) -> str:
     """A student family (``satic``) or a registry preset (``satic-k2``) -> the registry preset name."""
@@ -53,29 +57,61 @@ def preset_name(name: str) -> str:
                      f"({', '.join(sorted(PRESETS))})")
 
 
-#: the names that mean the AIC teacher (``capflow train --model``, a plan of the teacher as an evaluated model)
-TEACHER_NAMES = ("teacher", "aic")
+def size_of(size: str) -> tuple[int, int, int, int] | None:
+    """``students.size`` -> (d_model, layers, heads, d_ff); None for ``base`` (the preset as published)."""
+    if size == "base":
+        return None
+    if size in SIZES:
+        return SIZES[size]
+    raise ValueError(f"unknown size {size!r}: base or one of {', '.join(SIZES)}")
 
 
 @dataclass(frozen=True)
-class StudentPlan:
-    """What the recipe makes of one student name, decided here once: its registry preset, the captions it trains
-    on (the teacher's SeqKD captions or the ground truth), whether it starts from the teacher's weights, its own SCST
-    section (its ``students.per_student`` entry applied) and whether its XE weights are evaluated too
-    (``evaluation.xe``). The pipeline's student job, ``capflow train``, ``capflow bench learning`` and the stage keys
-    all read it.
+class ScstPlan:
+    """SCST of one model: its train settings, sampling and reward, and its ``students.scst`` section as it applies to
+    this model (its ``per_student`` epochs in ``epochs``: tracked as params, part of the stage key)."""
 
-    ``label`` names the stage when one name is trained several ways (SATIC's ablation, :func:`satic_ablation`).
-    The plan of ``teacher`` is the AIC teacher as an evaluated model: its XE weights are the teacher stage's, then
-    SCST and evaluation as for a student."""
+    settings: TrainSettings
+    samples: int
+    baseline: str
+    dropout: float | None
+    section: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model to train and evaluate, resolved from the config once (:func:`model_plan`).
+
+    ``name`` is what was asked for (``teacher``, a family, a registry preset), ``label`` names its stage when one
+    name is trained several ways (SATIC's ablation), ``preset`` the registry preset, ``size`` its (d_model, layers,
+    heads, d_ff) or None (as published), ``dropout`` its stacks' dropout (None: the preset's). ``captions`` is what
+    its XE trains on (``seqkd`` | ``ground_truth`` | ``both``), ``init_from_teacher`` whether the teacher's weights
+    start it; the teacher's own plan (``is_teacher``) takes the teacher stage's XE weights as its XE result. ``xe``
+    and ``scst`` (None: no SCST) are its training, the ``eval_*`` fields its test evaluation, ``evaluate_xe`` whether
+    its XE weights are scored too. ``seed``, ``device``, ``nproc`` (data-parallel processes) and the data settings
+    are the run's."""
 
     name: str
+    label: str
     preset: str
-    captions: str  # "seqkd" | "ground_truth"
+    size: tuple[int, int, int, int] | None
+    dropout: float | None
+    standardize: bool
+    captions: str
     init_from_teacher: bool
-    scst: SCSTConfig
-    evaluate_xe: bool = False
-    label: str = ""
+    xe: TrainSettings
+    scst: ScstPlan | None
+    evaluate_xe: bool
+    eval_beam: int
+    decoding_constraint: bool
+    spice_jars: str | None
+    seqkd_beam: int
+    max_words: int
+    captions_per_image: int
+    shuffle_buffer: int
+    seed: int
+    device: str
+    nproc: int
 
     @property
     def is_teacher(self) -> bool:
@@ -83,30 +119,91 @@ class StudentPlan:
 
     @property
     def stage(self) -> str:
-        """The stage's name: ``student-<label or name>``."""
-        return f"student-{self.label or self.name}"
+        """The student job's stage: ``student-<label>``."""
+        return f"student-{self.label}"
 
     @property
     def needs_teacher(self) -> bool:
-        return self.captions == "seqkd" or self.init_from_teacher or self.is_teacher
+        return self.captions != "ground_truth" or self.init_from_teacher or self.is_teacher
+
+    @property
+    def precision(self) -> str:
+        return self.xe.precision
+
+    def arch(self, vocab: Vocabulary, d_in: int) -> ArchConfig:
+        """The architecture once the stores give the vocabulary and the feature width."""
+        return build_arch(self.preset, self.size, self.dropout, vocab, d_in, self.max_words,
+                          standardize=self.standardize)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> ModelPlan:
+        d = json.loads(text) if isinstance(text, str) else dict(text)
+        sc = d.get("scst")
+        return cls(**{**d, "size": tuple(d["size"]) if d.get("size") else None, "xe": TrainSettings(**d["xe"]),
+                      "scst": ScstPlan(**{**sc, "settings": TrainSettings(**sc["settings"])}) if sc else None})
+
+    def digest(self, *, through: str = "evaluation") -> str:
+        """What the results of this plan depend on, as a digest (a stage key's part): ``through="xe"`` - the XE
+        training only (the teacher stage); ``"evaluation"`` - XE, SCST and the test evaluation. The device is not
+        part of it (the same plan on another device is the same stage)."""
+        d = asdict(self)
+        d.pop("device")
+        if through == "xe":
+            for k in ("scst", "evaluate_xe", "eval_beam", "decoding_constraint", "spice_jars", "seqkd_beam", "label"):
+                d.pop(k)
+        elif through != "evaluation":
+            raise ValueError(f"through must be 'xe' or 'evaluation', got {through!r}")
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def student_plan(cfg: PipelineConfig, name: str) -> StudentPlan:
-    """The plan of student ``name`` (a family, a registry preset, or ``teacher``; unknown names raise
-    ValueError)."""
-    st = cfg.students
+def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None) -> TrainSettings:
+    lo = cfg.loader
+    return TrainSettings(epochs=epochs or xe.epochs, batch_size=lo.batch_size, schedule="noam",
+                         noam_factor=xe.noam_factor, warmup=xe.warmup, label_smoothing=xe.label_smoothing,
+                         clip=xe.clip, workers=lo.dataloader_workers, seed=cfg.run.seed,
+                         precision=cfg.run.precision, compile=cfg.run.compile)
+
+
+def scst_settings(scst: SCSTConfig, cfg: PipelineConfig) -> TrainSettings:
+    """SCST's train settings from ``scst`` (the section as it applies to one model: :func:`model_plan`)."""
+    lo = cfg.loader
+    return TrainSettings(epochs=scst.epochs, batch_size=scst.batch_size or lo.batch_size,
+                         schedule="constant", lr=scst.lr, clip=None, workers=lo.dataloader_workers,
+                         seed=cfg.run.seed + 1, precision=cfg.run.precision,
+                         compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else False)
+
+
+def model_plan(cfg: PipelineConfig, name: str) -> ModelPlan:
+    """The plan of ``name``: ``teacher`` (or ``aic``: the ``teacher.*`` sections; as an evaluated model, its XE
+    weights are the teacher stage's, then SCST and evaluation as for a student), or a student family / registry
+    preset (``students.*``, its ``per_student`` entry applied). Unknown names raise ValueError."""
+    st, ev, run = cfg.students, cfg.evaluation, cfg.run
     if name in TEACHER_NAMES:
-        return StudentPlan(name=name, preset=cfg.teacher.model.arch, captions="ground_truth", init_from_teacher=False,
-                           scst=st.scst, evaluate_xe=cfg.evaluation.xe)
-    own = st.overrides_for(name)
-    return StudentPlan(name=name, preset=preset_name(name), captions="seqkd" if own.seqkd else "ground_truth",
-                       init_from_teacher=own.teacher_init, scst=st.scst_for(name), evaluate_xe=cfg.evaluation.xe)
+        m = cfg.teacher.model
+        pname, size, dropout = preset_name(m.arch), (m.d_model, m.layers, m.heads, m.d_ff), m.dropout
+        captions, init, xe, section, nproc = "ground_truth", False, cfg.teacher.xe, st.scst, cfg.teacher.nproc
+    else:
+        own = st.overrides_for(name)
+        pname, size, dropout = preset_name(name), size_of(st.size), None
+        captions, init, xe, nproc = "seqkd" if own.seqkd else "ground_truth", own.teacher_init, st.xe, st.nproc
+        section = st.scst.model_copy(update={"epochs": own.scst_epochs or st.scst.epochs})
+    scst = ScstPlan(settings=scst_settings(section, cfg), samples=section.samples, baseline=section.baseline,
+                    dropout=section.dropout, section=section.model_dump(mode="json")) if section.enabled else None
+    return ModelPlan(
+        name=name, label=name, preset=pname, size=size, dropout=dropout, standardize=cfg.loader.standardize_features,
+        captions=captions, init_from_teacher=init, xe=xe_settings(xe, cfg), scst=scst, evaluate_xe=ev.xe,
+        eval_beam=ev.beam, decoding_constraint=ev.decoding_constraint, spice_jars=ev.spice_jars,
+        seqkd_beam=st.seqkd_beam, max_words=cfg.dataset.max_words, captions_per_image=cfg.loader.captions_per_image,
+        shuffle_buffer=cfg.loader.shuffle_buffer, seed=run.seed, device=run.device, nproc=nproc)
 
 
-def satic_ablation(cfg: PipelineConfig, name: str = "satic") -> dict[str, StudentPlan]:
+def satic_ablation(cfg: PipelineConfig, name: str = "satic") -> dict[str, ModelPlan]:
     """SATIC's Table 4 as three plans of ``name``: ``base`` (ground truth, random init), ``seqkd`` (SeqKD captions,
     random init) and ``weight_init`` (SeqKD captions, the teacher's weights), each its own stage."""
-    plan = student_plan(cfg, name)
+    plan = model_plan(cfg, name)
     return {variant: replace(plan, captions=captions, init_from_teacher=init, label=f"{name}-{variant}")
             for variant, captions, init in (("base", "ground_truth", False), ("seqkd", "seqkd", False),
                                             ("weight_init", "seqkd", True))}
@@ -119,150 +216,40 @@ def max_tokens(cfg: ArchConfig | Captioner, max_words: int, codec: RadixCodec | 
     return max_words * per_word + 1
 
 
-def _adapt(arch: ArchConfig, vocab: Vocabulary, d_in: int, max_words: int, dropout: float | None,
-           standardize: bool) -> ArchConfig:
+def build_arch(pname: str, size: tuple[int, int, int, int] | None, dropout: float | None, vocab: Vocabulary,
+               d_in: int, max_words: int, *, standardize: bool = False) -> ArchConfig:
+    """A registry preset at ``size`` (None: as published) with ``dropout`` (None: the preset's), adapted to the
+    vocabulary, the feature width and the caption length."""
+    base = preset(preset_name(pname))
+    arch = base if size is None else scaled(base, d_model=size[0], layers=size[1], heads=size[2], d_ff=size[3])
     codec = vocab.radix()
     k = arch.group_size
     per_word = codec.digits if arch.codec == "radix" else 1
     positions = -(-(max_words * per_word + 1 + k) // k) * k  # inputs: K starts + the caption, whole groups
     out = for_vocab(arch, word_vocab_size=len(vocab), bos=BOS, eos=EOS, radix_size=codec.size, radix_bos=codec.bos,
                     radix_eos=codec.eos, max_len=max(positions, arch.max_len if arch.pos_enc == "learned" else 0))
-    changes = {"d_in": d_in, "standardize_features": standardize}
+    changes: dict[str, Any] = {"d_in": d_in, "standardize_features": standardize}
     if dropout is not None:
         changes["dropout"] = dropout
     return out.replace(**changes)
 
 
-def teacher_arch(model: ModelConfig, vocab: Vocabulary, d_in: int, max_words: int, *,
-                 standardize: bool = False) -> ArchConfig:
-    """The AIC teacher (or any preset named by ``teacher.model.arch``) at the configured size; ``standardize``:
-    ``loader.standardize_features``."""
-    base = preset(preset_name(model.arch))
-    sized = scaled(base, d_model=model.d_model, layers=model.layers, heads=model.heads, d_ff=model.d_ff)
-    return _adapt(sized, vocab, d_in, max_words, model.dropout, standardize)
+def teacher_arch(model: Any, vocab: Vocabulary, d_in: int, max_words: int, *, standardize: bool = False
+                 ) -> ArchConfig:
+    """The preset named by a ``teacher.model`` section at its size and dropout."""
+    return build_arch(model.arch, (model.d_model, model.layers, model.heads, model.d_ff), model.dropout, vocab, d_in,
+                      max_words, standardize=standardize)
 
 
 def student_arch(name: str, size: str, vocab: Vocabulary, d_in: int, max_words: int, *,
                  standardize: bool = False) -> ArchConfig:
     """A student family/preset at ``size`` ("base" = as published, else :data:`SIZES`)."""
-    base = preset(preset_name(name))
-    if size == "base":
-        sized = base
-    elif size in SIZES:
-        d, n, h, f = SIZES[size]
-        sized = scaled(base, d_model=d, layers=n, heads=h, d_ff=f)
-    else:
-        raise ValueError(f"unknown size {size!r}: base or one of {', '.join(SIZES)}")
-    return _adapt(sized, vocab, d_in, max_words, None, standardize)
+    return build_arch(name, size_of(size), None, vocab, d_in, max_words, standardize=standardize)
 
 
 def codec_for(arch: ArchConfig | Captioner, vocab: Vocabulary) -> RadixCodec | None:
     a = arch.cfg if isinstance(arch, Captioner) else arch
     return vocab.radix() if a.codec == "radix" else None
-
-
-def xe_settings(xe: XEConfig, cfg: PipelineConfig, *, epochs: int | None = None) -> TrainSettings:
-    lo = cfg.loader
-    return TrainSettings(epochs=epochs or xe.epochs, batch_size=lo.batch_size, schedule="noam",
-                         noam_factor=xe.noam_factor, warmup=xe.warmup, label_smoothing=xe.label_smoothing,
-                         clip=xe.clip, workers=lo.dataloader_workers, seed=cfg.run.seed,
-                         precision=cfg.run.precision, compile=cfg.run.compile)
-
-
-def scst_settings(scst: SCSTConfig, cfg: PipelineConfig, student: str | None = None) -> TrainSettings:
-    """SCST's train settings; ``student`` (a family or registry preset) picks its ``students.per_student``
-    SCST epochs."""
-    lo = cfg.loader
-    return TrainSettings(epochs=cfg.students.scst_for(student).epochs if student else scst.epochs,
-                         batch_size=scst.batch_size or lo.batch_size,
-                         schedule="constant", lr=scst.lr, clip=None, workers=lo.dataloader_workers,
-                         seed=cfg.run.seed + 1, precision=cfg.run.precision,
-                         compile="graphs" if compile_mode(cfg.run.compile) == "graphs" else False)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What the library's stage functions read, taken from the config once (:func:`stage_plan`): the run's seed,
-    device, precision and caption length, the training data's batches, SeqKD's and the evaluation's decoding, SCST's
-    sampling and reward, and the students' default XE and SCST settings (``scst_epochs``: a student's own SCST
-    epochs, ``students.per_student``)."""
-
-    seed: int
-    device: str
-    precision: str
-    max_words: int
-    captions_per_image: int
-    shuffle_buffer: int
-    seqkd_beam: int
-    eval_beam: int
-    decoding_constraint: bool
-    spice_jars: str | None
-    scst_samples: int
-    scst_baseline: str
-    scst_dropout: float | None
-    xe: TrainSettings
-    scst: TrainSettings
-    scst_epochs: dict[str, int] = field(default_factory=dict)
-
-    def scst_for(self, student: str | None) -> TrainSettings:
-        """SCST's settings for ``student`` (its own epochs when it has them)."""
-        return replace(self.scst, epochs=self.scst_epochs.get(student, self.scst.epochs)) if student else self.scst
-
-
-def stage_plan(cfg: PipelineConfig) -> StagePlan:
-    st, sc, ev = cfg.students, cfg.students.scst, cfg.evaluation
-    return StagePlan(
-        seed=cfg.run.seed, device=cfg.run.device, precision=cfg.run.precision, max_words=cfg.dataset.max_words,
-        captions_per_image=cfg.loader.captions_per_image, shuffle_buffer=cfg.loader.shuffle_buffer,
-        seqkd_beam=st.seqkd_beam, eval_beam=ev.beam, decoding_constraint=ev.decoding_constraint,
-        spice_jars=ev.spice_jars, scst_samples=sc.samples, scst_baseline=sc.baseline, scst_dropout=sc.dropout,
-        xe=xe_settings(st.xe, cfg), scst=scst_settings(sc, cfg),
-        scst_epochs={n: o.scst_epochs for n, o in st.per_student.items() if o.scst_epochs})
-
-
-@dataclass(frozen=True)
-class TrainPlan:
-    """One model's training (:func:`captioning.training.stages.run_training`): the stage plan, what builds its
-    architecture once the stores give the vocabulary and the feature width (``teacher``: the ``teacher.model``
-    section; a student: its family/preset at ``size``), and its XE and SCST settings. JSON-able: data-parallel
-    processes and torchrun jobs receive it as text."""
-
-    stage: StagePlan
-    model: str
-    size: str
-    teacher: dict[str, Any]
-    standardize: bool
-    xe: TrainSettings
-    scst: TrainSettings
-
-    @property
-    def is_teacher(self) -> bool:
-        return self.model in TEACHER_NAMES
-
-    def arch(self, vocab: Vocabulary, d_in: int) -> ArchConfig:
-        if self.is_teacher:
-            return teacher_arch(ModelConfig(**self.teacher), vocab, d_in, self.stage.max_words,
-                                standardize=self.standardize)
-        return student_arch(self.model, self.size, vocab, d_in, self.stage.max_words, standardize=self.standardize)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | dict[str, Any]) -> TrainPlan:
-        d = json.loads(text) if isinstance(text, str) else dict(text)
-        st = dict(d["stage"])
-        stage = StagePlan(**{**st, "xe": TrainSettings(**st["xe"]), "scst": TrainSettings(**st["scst"])})
-        return cls(**{**d, "stage": stage, "xe": TrainSettings(**d["xe"]), "scst": TrainSettings(**d["scst"])})
-
-
-def train_plan(cfg: PipelineConfig, model: str) -> TrainPlan:
-    """The plan of ``model``: ``teacher`` (or ``aic``) or a student family / registry preset."""
-    teacher = model in TEACHER_NAMES
-    xe = xe_settings(cfg.teacher.xe if teacher else cfg.students.xe, cfg)
-    return TrainPlan(stage=stage_plan(cfg), model=model, size=cfg.students.size,
-                     teacher=cfg.teacher.model.model_dump(mode="json"), standardize=cfg.loader.standardize_features,
-                     xe=xe, scst=scst_settings(cfg.students.scst, cfg, None if teacher else model))
 
 
 def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]:
@@ -280,7 +267,7 @@ def label_sources(labels: Labels, use: str, seqkd_name: str | None) -> list[int]
     return out
 
 
-def caption_dataset(source: FeatureSource, labels: Labels, plan: StagePlan, *, codec: RadixCodec | None,
+def caption_dataset(source: FeatureSource, labels: Labels, plan: ModelPlan, *, codec: RadixCodec | None,
                     split: str = "train", sources: list[int] | None = None, captions_per_image: int | None = None,
                     seed_offset: int = 0) -> CaptionDataset:
     return CaptionDataset(source, labels=labels, split=split, captions_per_image=captions_per_image or

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -45,11 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before anything imports prefect (it reads its settings once): the temporary Prefect server that `capflow run`
-    # starts gets 90 s instead of Prefect's 20 s, which a loaded machine overran (an explicit setting wins)
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    # and sends no telemetry (offline, it logged an ERROR in every run); PREFECT_SERVER_ANALYTICS_ENABLED=true wins
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

@@ -79,7 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             bad_every=args.bad_every, workdir=args.tmp)
     elif args.name == "scale":
         from captioning.bench.scale import run as run_scale
-        from tasks.bench_scale import STAGES as PIPELINE_STAGES
+        from flows.bench_prefect import STAGES as PIPELINE_STAGES
 
         try:
             sizes = tuple(int(s) for s in (args.sizes or "1000,10000,100000").split(","))

@@ -12,7 +12,8 @@ from flows.cli.common import CLIError, config_args, parse_students, pipeline_arg
 def cmd_run(args: argparse.Namespace) -> int:
     if os.environ.get("PREFECT_HOME"):  # Prefect's local server cannot create its database in a missing folder
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
-    from flows.pipeline import build_config, pipeline, start_prefect_api
+    from flows.pipeline import build_config, pipeline
+    from flows.prefect_server import start_prefect_api
     from tasks.tracking import preflight, tracking_uri
 
     students = parse_students(args.students)
@@ -30,10 +31,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(res)
         return 0 if not res["failed"] else 1
+    from tasks.refs import Leaderboard
     from tasks.report import markdown
 
     print()
-    print(markdown(res["leaderboard"], res["failed"], res.get("baseline")))
+    print(markdown(Leaderboard.from_record(res)))
     ch = res["champion"]
     print(f"champion: {cfg.tracking.model_name} v{ch['version']} ({ch['reason']})")
     cached = [k for k, v in res["stages"].items() if v == "cached"]

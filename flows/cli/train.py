@@ -31,8 +31,9 @@ def _inputs(args: argparse.Namespace, rc) -> dict[str, str | None]:
                 raise CLIError(f"{flag} {p} not found")
         if not args.features:
             raise CLIError("with --labels/--vocab give the --features store they point at")
+        # stores given by path only: their identity is their URI (no recorded digest)
         return {"vocab": args.vocab, "labels": args.labels, "features": args.features, "dataset": None,
-                "labels_digest": args.labels, "features_digest": args.features, "dataset_digest": None}
+                "labels_identity": args.labels, "features_identity": args.features, "dataset_identity": None}
     data = ingest(rc)
     try:
         feats = features_of_store(args.features) if args.features else features_for(rc, data)
@@ -40,7 +41,7 @@ def _inputs(args: argparse.Namespace, rc) -> dict[str, str | None]:
         raise CLIError(str(e)) from None
     labels = vocab(rc, data, feats)  # the recorded one (the pipeline's, for the same settings) or built now
     return {"vocab": labels.vocab_path, "labels": labels.labels_uri, "features": feats.uri, "dataset": data.path,
-            "labels_digest": labels.labels_digest, "features_digest": feats.digest, "dataset_digest": data.digest}
+            "labels_identity": labels.labels_digest, "features_identity": feats.digest, "dataset_identity": data.digest}
 
 
 def _seqkd_source(rc, args: argparse.Namespace, captions: str) -> str | None:
@@ -97,7 +98,7 @@ def _recipe(args: argparse.Namespace) -> int:
         except MissingStageError as e:
             raise CLIError(str(e)) from None
         labels = vocab(rc, data, feats)
-        res = model_job(rc, args.model, data, feats, labels, scst=rc.cfg.students.scst.enabled)
+        res = model_job(rc, args.model, data, feats, labels)
         if isinstance(res, StudentFailure):
             raise CLIError(f"student {args.model} failed: {res.error}")
     status = rc.stages.get(stage, "ran")
@@ -118,9 +119,12 @@ def _recipe(args: argparse.Namespace) -> int:
 
 def _custom(args: argparse.Namespace) -> int:
     """One XE or SCST training with the given captions / initialisation / stores, in its own folder."""
-    from captioning.training.stages import TrainSpec
+    import dataclasses
+
+    from captioning.training.recipe import model_plan
+    from captioning.training.stages import Inputs
     from tasks.cache import stage_key
-    from tasks.training import TEACHER_NAMES, custom_training
+    from tasks.training import custom_training
 
     nproc = args.nproc or 1
     if args.torchrun_job:
@@ -131,48 +135,53 @@ def _custom(args: argparse.Namespace) -> int:
         captions = args.captions or "ground_truth"
         seqkd_source = _seqkd_source(rc, args, captions)
         stage = f"train-{args.model}" + ("-scst" if args.scst_from else "")
-        settings = "teacher" if args.model in TEACHER_NAMES else "students"
-        key = stage_key(stage, labels=paths["labels_digest"], features=paths["features"], captions=captions,
-                        seqkd=seqkd_source, init=args.init, scst_from=args.scst_from, settings=cfg.digest(settings),
-                        loader=cfg.digest("loader"), seed=cfg.run.seed, max_words=cfg.dataset.max_words, nproc=nproc)
-        spec = TrainSpec(model=args.model, vocab_path=paths["vocab"], labels_uri=paths["labels"],
-                         features_uri=paths["features"], out=args.out or str(rc.workdir.stage_dir(stage, key)),
-                         captions=captions, seqkd_source=seqkd_source, init_from=args.init,
-                         scst_from=args.scst_from, dataset_path=paths["dataset"])
+        plan = dataclasses.replace(model_plan(cfg, args.model), captions=captions, init_from_teacher=False,
+                                   nproc=nproc)
+        key = stage_key(stage, labels=paths["labels_identity"], features=paths["features_identity"],
+                        model=plan.digest(through="evaluation" if args.scst_from else "xe"), seqkd=seqkd_source,
+                        init=args.init, scst_from=args.scst_from)
+        inputs = Inputs(vocab=paths["vocab"], labels=paths["labels"], features=paths["features"],
+                        dataset=paths["dataset"])
+        out = args.out or str(rc.workdir.stage_dir(stage, key))
+        phase, start = ("scst", args.scst_from) if args.scst_from else ("xe", args.init)
         if args.torchrun_job:
-            return _write_torchrun_job(args, cfg, spec, nproc)
-        res = custom_training(rc, stage, spec, nproc, {"features": paths["features_digest"],
-                                                       "labels": paths["labels_digest"],
-                                                       "dataset": paths["dataset_digest"]})
+            return _write_torchrun_job(args, plan, inputs, out, phase, start, seqkd_source)
+        res = custom_training(rc, stage, plan, inputs, out, phase=phase, start=start, seqkd_source=seqkd_source,
+                              digests={"features": paths["features_identity"], "labels": paths["labels_identity"],
+                                       "dataset": paths["dataset_identity"]})
     if args.json:
-        print_json(res)
+        print_json(dataclasses.asdict(res))
     else:
-        for h in res["history"]:
+        for h in res.history:
             print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()))
-        at = "the starting weights" if res["best_epoch"] < 0 else f"epoch {res['best_epoch'] + 1}"
-        print(f"best {res['best_metric']:.4f} at {at}: {res['best_checkpoint']}")
+        at = "the starting weights" if (res.best_epoch or 0) < 0 else f"epoch {(res.best_epoch or 0) + 1}"
+        print(f"best {res.best_metric:.4f} at {at}: {res.best_checkpoint}")
     return 0
 
 
-def _write_torchrun_job(args: argparse.Namespace, cfg, spec, nproc: int) -> int:
+def _write_torchrun_job(args: argparse.Namespace, plan, inputs, out: str, phase: str, start: str | None,
+                        seqkd_source: str | None) -> int:
     """The stage as a job for ``torchrun ... -m captioning.training.torchrun JOB`` (every path absolute: the
     launcher's processes may start in other directories, on other nodes)."""
     import dataclasses
 
-    from captioning.training.recipe import train_plan
     from captioning.training.torchrun import write_job
-    from tasks.fanout import absolute, worker_config
+    from tasks.fanout import absolute
 
-    spec = dataclasses.replace(spec, **{f.name: absolute(getattr(spec, f.name)) for f in dataclasses.fields(spec)
-                                        if f.name in ("vocab_path", "labels_uri", "features_uri", "out", "init_from",
-                                                      "scst_from", "dataset_path")})
-    path = write_job(args.torchrun_job, train_plan(worker_config(cfg), spec.model), spec, nproc)
+    inputs = dataclasses.replace(inputs, **{f.name: absolute(getattr(inputs, f.name))
+                                            for f in dataclasses.fields(inputs)})
+    spice = plan.spice_jars
+    plan = dataclasses.replace(plan, spice_jars=absolute(spice) if spice else None)
+    out = str(absolute(out))
+    path = write_job(args.torchrun_job, plan, inputs, out, plan.nproc, phase=phase, start=absolute(start),
+                     seqkd_source=seqkd_source)
+    nproc = plan.nproc
     command = (f"torchrun --nnodes 1 --nproc-per-node {nproc} -m captioning.training.torchrun "
                f"{path.resolve()}")
     if args.json:
-        print_json({"job": str(path.resolve()), "nproc": nproc, "out": spec.out, "command": command})
+        print_json({"job": str(path.resolve()), "nproc": nproc, "out": out, "command": command})
     else:
-        print(f"job for {nproc} processes: {path.resolve()}\ncheckpoints: {spec.out}\nrun it on one node "
+        print(f"job for {nproc} processes: {path.resolve()}\ncheckpoints: {out}\nrun it on one node "
               f"with:\n  {command}\n(several nodes: --nnodes N --nproc-per-node {nproc}/N --rdzv-backend "
               "c10d --rdzv-endpoint HOST:PORT on each; infra/README.md)")
     return 0

@@ -3,6 +3,7 @@ artifacts, registry alias, planted bad input, cached re-run, partial re-run, kil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -252,6 +253,7 @@ def _champion_rescored_on_a_changed_test_set(work, ann, images, res):
     from tasks.cache import StageCache
     from tasks.common import RunContext
     from tasks.data import extract, ingest, vocab
+    from tasks.refs import Leaderboard, Row
     from tasks.report import promote, rescore_champion
     from tasks.tracking import Tracker
 
@@ -268,8 +270,10 @@ def _champion_rescored_on_a_changed_test_set(work, ann, images, res):
         data = ingest(rc)
         feats = extract(rc, data)
         labels = vocab(rc, data, feats)
-        planted = {"student": "planted", "model_version": other["model_version"], "metrics": {"CIDEr": cider - 1e-3}}
-        kept = promote(rc, {"leaderboard": [planted]}, data.digest, data, feats, labels)
+        planted = Row(student="planted", preset="lw-1x", metrics={"CIDEr": cider - 1e-3}, params=1, latency_ms=1.0,
+                      unique_fraction=1.0, distinct_captions=1, repeated_token_rate=0.0, run_id="",
+                      model_version=other["model_version"])
+        kept = promote(rc, Leaderboard((planted,)), data.digest, data, feats, labels)
         assert not kept.changed and kept.champion_version == champion["model_version"], kept
         assert kept.champion_cider == pytest.approx(cider, abs=1e-9) and "re-scored" in kept.reason
         assert tr.champion()[0] == champion["model_version"]
@@ -283,9 +287,9 @@ def _champion_rescored_on_a_changed_test_set(work, ann, images, res):
         other_cfg = load_config("tiny", None, [*_overrides(work, ann, images), "features.max_boxes=11"])
         extracted = rescore_champion(RunContext(other_cfg, tr, parent, StageCache(cfg.workdir)),
                                      champion["model_version"], data, feats, labels)
-        assert extracted["how"].startswith("its own feature settings differ") and extracted["CIDEr"] >= 0, extracted
-        planted["metrics"]["CIDEr"] = cider + 1e-3
-        taken = promote(rc, {"leaderboard": [planted]}, data.digest, data, feats, labels)
+        assert extracted.how.startswith("its own feature settings differ") and extracted.cider >= 0, extracted
+        planted = dataclasses.replace(planted, metrics={"CIDEr": cider + 1e-3})
+        taken = promote(rc, Leaderboard((planted,)), data.digest, data, feats, labels)
         assert taken.changed and tr.champion()[0] == other["model_version"]
         assert taken.reason.startswith(f"better than the current champion v{champion['model_version']} re-scored")
     record = json.loads(Path(c.download_artifacts(parent, "promotion.json", str(work / "dl-promotion"))).read_text())

@@ -10,17 +10,20 @@ import pytest
 
 from tasks.cache import StageCache, stage_key
 from tasks.refs import (
+    Baseline,
     DatasetRef,
     FeaturesRef,
     LabelsRef,
+    Leaderboard,
     Promotion,
     RecordMismatch,
+    Row,
     SeqKDRef,
     StudentFailure,
     StudentResult,
     TeacherRef,
 )
-from tasks.report import decide_promotion, leaderboard_rows, markdown, rank
+from tasks.report import Rescore, decide_promotion, markdown, rank
 
 REFS = [
     DatasetRef(run_id="r1", path="/w/datasets/dataset-ab.json", digest="ab" * 32, images=40, captions=200,
@@ -80,14 +83,13 @@ def test_a_students_key_moves_with_its_own_scst_epochs_only():
     from types import SimpleNamespace
 
     from captioning.config import load_config
-    from captioning.training.recipe import student_plan
+    from captioning.training.recipe import model_plan
     from tasks.training import student_key
 
     def key(name, *overrides, scst=True):
-        cfg = load_config("demo", overrides=list(overrides))
+        cfg = load_config("demo", overrides=[*overrides, *([] if scst else ["students.scst.enabled=false"])])
         ref = SimpleNamespace(digest="f", labels_digest="l", checkpoint_digest="t")
-        return student_key(SimpleNamespace(cfg=cfg), student_plan(cfg, name), {"arch": name}, ref, ref, ref, ref,
-                           scst)
+        return student_key(model_plan(cfg, name), ref, ref, ref, ref)
 
     longer = "students.per_student.expansionnet.scst_epochs=9"
     assert key("lw") == key("lw", longer) and key("lw", scst=False) == key("lw", longer, scst=False)
@@ -98,20 +100,24 @@ def test_a_students_key_moves_with_its_own_scst_epochs_only():
     assert key("lw") != key("lw", "students.scst.lr=1e-4")
 
 
-def test_student_plan_decides_captions_init_and_scst_once():
+def test_model_plan_decides_captions_init_and_scst_once():
     from captioning.config import load_config
-    from captioning.training.recipe import student_plan
+    from captioning.training.recipe import model_plan
 
     cfg = load_config("demo", overrides=["students.per_student.lw.seqkd=true", "students.per_student.lw.scst_epochs=7"])
-    satic, lw, acort = (student_plan(cfg, n) for n in ("satic", "lw", "acort"))
+    satic, lw, acort = (model_plan(cfg, n) for n in ("satic", "lw", "acort"))
     assert (satic.preset, satic.captions, satic.init_from_teacher, satic.needs_teacher) == \
         ("satic-k4", "seqkd", True, True)
-    assert (lw.preset, lw.captions, lw.init_from_teacher, lw.needs_teacher, lw.scst.epochs) == \
+    assert (lw.preset, lw.captions, lw.init_from_teacher, lw.needs_teacher, lw.scst.settings.epochs) == \
         ("lw-1x", "seqkd", False, True, 7)
+    assert lw.scst.section["epochs"] == 7  # what is tracked and keyed is what trains
     assert (acort.captions, acort.init_from_teacher, acort.needs_teacher) == ("ground_truth", False, False)
-    assert acort.scst.epochs == cfg.students.scst.epochs
+    assert acort.scst.settings.epochs == cfg.students.scst.epochs
+    # JSON-able: what data-parallel ranks, torchrun jobs and Dask workers receive is the same plan
+    assert all(type(p).from_json(p.to_json()) == p for p in (satic, lw, acort, model_plan(cfg, "teacher")))
+    assert model_plan(load_config("demo", overrides=["students.scst.enabled=false"]), "lw").scst is None
     with pytest.raises(ValueError, match="unknown student 'nope'"):
-        student_plan(cfg, "nope")
+        model_plan(cfg, "nope")
 
 
 def test_satic_ablation_and_the_teacher_are_plans_with_their_own_stages_and_keys():
@@ -120,7 +126,7 @@ def test_satic_ablation_and_the_teacher_are_plans_with_their_own_stages_and_keys
     from types import SimpleNamespace
 
     from captioning.config import load_config
-    from captioning.training.recipe import satic_ablation, student_plan
+    from captioning.training.recipe import model_plan, satic_ablation
     from tasks.training import student_key
 
     cfg = load_config("demo", overrides=["evaluation.xe=true"])
@@ -129,22 +135,21 @@ def test_satic_ablation_and_the_teacher_are_plans_with_their_own_stages_and_keys
         "base": ("student-satic-base", "ground_truth", False, "satic-k4"),
         "seqkd": ("student-satic-seqkd", "seqkd", False, "satic-k4"),
         "weight_init": ("student-satic-weight_init", "seqkd", True, "satic-k4")}
-    assert all(p.evaluate_xe for p in abl.values()) and not student_plan(load_config("demo"), "lw").evaluate_xe
-    t = student_plan(cfg, "teacher")
+    assert all(p.evaluate_xe for p in abl.values()) and not model_plan(load_config("demo"), "lw").evaluate_xe
+    t = model_plan(cfg, "teacher")
     assert (t.is_teacher, t.needs_teacher, t.preset, t.stage, t.captions) == \
         (True, True, cfg.teacher.model.arch, "student-teacher", "ground_truth")
 
     def key(plan, digest="t"):
         ref = SimpleNamespace(digest="f", labels_digest="l", checkpoint_digest=digest)
-        return stage_key(plan.stage, **student_key(SimpleNamespace(cfg=cfg), plan, {"arch": 1}, ref, ref, ref, ref,
-                                                   True))
+        return stage_key(plan.stage, **student_key(plan, ref, ref, ref, ref))
 
     assert len({key(p) for p in abl.values()}) == 3
     assert key(t) != key(t, digest="other")  # another teacher checkpoint: another teacher evaluation
     assert key(abl["base"]) == key(abl["base"], digest="other")  # base needs no teacher
     with pytest.raises(ValueError, match="needs the teacher"):
-        student_key(SimpleNamespace(cfg=cfg), t, {}, SimpleNamespace(digest="f", labels_digest="l"),
-                    SimpleNamespace(digest="f", labels_digest="l"), None, None, True)
+        student_key(t, SimpleNamespace(digest="f", labels_digest="l"), SimpleNamespace(digest="f", labels_digest="l"),
+                    None, None)
 
 
 def _student(name, cider, params=100, version="1"):
@@ -159,8 +164,7 @@ def test_leaderboard_ranks_by_cider_then_size_then_name_and_lists_failures():
                StudentFailure(student="d", error="ValueError: x"), _student("e", None)]
     ranked, failed = rank(results)
     assert [r.student for r in ranked] == ["c", "b", "a", "e"] and [f.student for f in failed] == ["d"]
-    rows = leaderboard_rows(ranked)
-    table = markdown(rows, [{"student": "d", "error": "ValueError: x"}])
+    table = markdown(Leaderboard(rows=tuple(Row.of(r) for r in ranked), failed=tuple(failed)))
     lines = table.splitlines()
     assert lines[2].startswith("| 1 | c | c |") and lines[-1] == "| - | d | FAILED: ValueError: x |"
     assert "| n/a |" in lines[5]  # e has no CIDEr
@@ -168,13 +172,13 @@ def test_leaderboard_ranks_by_cider_then_size_then_name_and_lists_failures():
 
 
 def test_leaderboard_shows_the_baseline_row_and_the_best_students_multiple_of_it():
-    rows = leaderboard_rows([_student("c", 0.6), _student("b", 0.3)])
-    base = {"caption": "a red circle", "metrics": {"Bleu_1": 0.4, "Bleu_4": 0.1, "ROUGE_L": 0.3, "CIDEr": 0.2}}
-    lines = markdown(rows, [], base).splitlines()
+    rows = tuple(Row.of(r) for r in (_student("c", 0.6), _student("b", 0.3)))
+    base = Baseline(caption="a red circle", metrics={"Bleu_1": 0.4, "Bleu_4": 0.1, "ROUGE_L": 0.3, "CIDEr": 0.2})
+    lines = markdown(Leaderboard(rows, baseline=base)).splitlines()
     assert lines[4] == ("| - | baseline | most frequent training caption | 0.400 | 0.100 | - | 0.300 | 0.200 | - "
                         "| - | - | 1 | - |")
     assert lines[-1] == 'Baseline caption: "a red circle"; best student\'s test CIDEr = 3.0x the baseline\'s.'
-    assert markdown(rows, []).splitlines()[-1].startswith("| 2 | b |")  # no baseline, no row
+    assert markdown(Leaderboard(rows)).splitlines()[-1].startswith("| 2 | b |")  # no baseline, no row
 
 
 def test_most_frequent_caption_baseline_is_the_commonest_training_caption_scored_on_every_test_image():
@@ -192,7 +196,7 @@ def test_most_frequent_caption_baseline_is_the_commonest_training_caption_scored
 
 
 def test_promotion_decision():
-    best = leaderboard_rows([_student("lw", 0.5, version="7")])[0]
+    best = Row.of(_student("lw", 0.5, version="7"))
     first = decide_promotion(best, None, {}, "t")
     assert first.changed and first.champion_version == "7" and first.reason == "no champion yet"
     same = decide_promotion(best, "7", {"test_set": "t", "test_CIDEr": "0.5"}, "t")
@@ -205,16 +209,17 @@ def test_promotion_decision():
     assert worse_champion.changed and worse_champion.reason == "better than the current champion"
     # a champion scored on another test set is compared by its score on this one (re-scored), never by its tag
     kept = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.1"}, "t",
-                            {"CIDEr": 0.55, "how": "decoded from this run's feature store"})
+                            Rescore({"CIDEr": 0.55}, 5, "decoded from this run's feature store"))
     assert not kept.changed and kept.champion_version == "3" and kept.champion_cider == 0.55
     assert kept.reason.startswith("current champion v3, scored on another test set, re-scored on this one")
     assert kept.rescored == "decoded from this run's feature store"
-    tie_rescored = decide_promotion(best, "3", {"test_set": "other"}, "t", {"CIDEr": 0.5, "how": "h"})
+    tie_rescored = decide_promotion(best, "3", {"test_set": "other"}, "t", Rescore({"CIDEr": 0.5}, 5, "h"))
     assert not tie_rescored.changed
-    beaten = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.9"}, "t", {"CIDEr": 0.45, "how": "h"})
+    beaten = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.9"}, "t",
+                              Rescore({"CIDEr": 0.45}, 5, "h"))
     assert beaten.changed and beaten.champion_version == "7" and "re-scored on this test set (h)" in beaten.reason
     unscored = decide_promotion(best, "3", {"test_set": "other", "test_CIDEr": "0.9"}, "t",
-                                {"error": "no images to extract its own from"})
+                                unscored="no images to extract its own from")
     assert unscored.changed and unscored.champion_cider is None
     assert "could not be scored on this one (no images to extract its own from)" in unscored.reason
     assert "without a comparison" in decide_promotion(best, "3", {"test_set": "other"}, "t").reason

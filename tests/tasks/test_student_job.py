@@ -4,12 +4,14 @@ tracking store and reads the flow's files by absolute paths, whatever its own en
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
 from captioning.config import load_config
+from captioning.training.recipe import model_plan
 from tasks.cache import StageCache
 from tasks.common import RunContext
 from tasks.fanout import StudentJob, student_on_worker, student_remote
@@ -71,18 +73,19 @@ def test_the_worker_records_into_the_flows_store_by_absolute_paths(tmp_path, mon
         monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{worker / 'own.db'}")
         monkeypatch.delenv("CAPFLOW_SPICE_JARS")
 
-    def fake_student(rc, name, data, feats, labels, teacher, kd, scst):
-        seen.update(uri=rc.tracker.uri, cfg=rc.cfg, refs=(data, feats, labels, teacher, kd), scst=scst)
-        rc.tracker.tags(rc.parent_run, {f"seen.{name}": "on the worker"})  # fails in any other store
-        return StudentFailure(student=name, error="stub")
+    def fake_student(rc, plan, data, feats, labels, teacher, kd):
+        seen.update(uri=rc.tracker.uri, cfg=rc.cfg, refs=(data, feats, labels, teacher, kd), plan=plan)
+        rc.tracker.tags(rc.parent_run, {f"seen.{plan.label}": "on the worker"})  # fails in any other store
+        return StudentFailure(student=plan.label, error="stub")
 
     monkeypatch.setattr("tasks.training.student", fake_student)
     client = _Client(on_worker)
-    res = student_remote(rc, client, "lw", *_refs(), scst=False)
+    plan = dataclasses.replace(model_plan(cfg, "lw"), scst=None)
+    res = student_remote(rc, client, plan, *_refs())
     assert res == StudentFailure(student="lw", error="stub")
     (args,) = client.submitted
     assert len(args) == 1 and isinstance(args[0], StudentJob) and args[0].tracking_uri == flow_uri
-    assert seen["uri"] == flow_uri and seen["scst"] is False
+    assert seen["uri"] == flow_uri and seen["plan"] == plan and seen["plan"].scst is None  # the flow's plan
     assert MlflowClient(flow_uri).get_run(parent).data.tags["seen.lw"] == "on the worker"
     assert not (worker / "own.db").exists() and not list(tmp_path.rglob("mlflow.db"))
     wcfg = seen["cfg"]
@@ -102,8 +105,8 @@ def test_a_flow_store_the_worker_cannot_see_is_that_students_failure_not_a_new_s
     missing = tmp_path / "elsewhere" / "mlflow.db"
     cfg = load_config("tiny", None, [f"run.workdir={tmp_path / 'wd'}"])
     job = StudentJob(cfg_json=cfg.model_dump_json(), tracking_uri=f"sqlite:///{missing}", parent_run="p",
-                     name="lw", data=_refs()[0], feats=_refs()[1], labels=_refs()[2], teacher=_refs()[3],
-                     kd=_refs()[4], scst=False, threads=1)
+                     plan_json=model_plan(cfg, "lw").to_json(), data=_refs()[0], feats=_refs()[1], labels=_refs()[2],
+                     teacher=_refs()[3], kd=_refs()[4], threads=1)
     res, state = student_on_worker(job)
     assert state == "failed" and isinstance(res, StudentFailure)
     assert str(missing) in res.error and "tracking server" in res.error
@@ -142,9 +145,9 @@ def test_a_daemonic_worker_refuses_data_parallel_students_with_the_way_out(tmp_p
     db = tmp_path / "flow.db"
     db.touch()
     cfg = load_config("tiny", None, [f"run.workdir={tmp_path / 'wd'}", "students.nproc=2"])
-    job = StudentJob(cfg_json=cfg.model_dump_json(), tracking_uri=f"sqlite:///{db}", parent_run="p", name="lw",
-                     data=_refs()[0], feats=_refs()[1], labels=_refs()[2], teacher=_refs()[3], kd=_refs()[4],
-                     scst=False, threads=1)
+    job = StudentJob(cfg_json=cfg.model_dump_json(), tracking_uri=f"sqlite:///{db}", parent_run="p",
+                     plan_json=model_plan(cfg, "lw").to_json(), data=_refs()[0], feats=_refs()[1], labels=_refs()[2],
+                     teacher=_refs()[3], kd=_refs()[4], threads=1)
     monkeypatch.setitem(multiprocessing.current_process()._config, "daemon", True)
     res, state = student_on_worker(job)
     assert state == "failed" and "DASK_DISTRIBUTED__WORKER__DAEMON=False" in res.error

@@ -6,6 +6,7 @@ within a minute, before any stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -72,8 +73,8 @@ def test_run_block_ends_finished_failed_or_killed_and_records_its_owner(tmp_path
 
 
 def test_a_stage_and_a_student_that_raise_leave_their_runs_failed(tmp_path):
-    from tasks.data import extract_task, ingest_task, vocab_task
-    from tasks.training import student_task
+    from captioning.training.recipe import model_plan
+    from flows.pipeline import extract_task, ingest_task, student_task, vocab_task
 
     cfg = _cfg(tmp_path / "w", informative=True)
     tr = Tracker(cfg)
@@ -91,7 +92,8 @@ def test_a_stage_and_a_student_that_raise_leave_their_runs_failed(tmp_path):
         teacher = TeacherRef(run_id="", checkpoint=str(tmp_path / "no-teacher.pt"), checkpoint_digest="1" * 64,
                              best_val_cider=0.0)
         kd = SeqKDRef(run_id="", source="seqkd:none", labels_digest=labels.labels_digest)
-        res = student_task.fn(rc, "satic", data, feats, labels, teacher, kd, False)
+        plan = dataclasses.replace(model_plan(cfg, "satic"), scst=None)  # XE only
+        res = student_task.fn(rc, plan, data, feats, labels, teacher, kd)
         assert isinstance(res, StudentFailure) and "no-teacher.pt" in res.error
     runs = tr.client.search_runs([tr.experiment_id])
     status: dict[str, list[str]] = {}
@@ -198,7 +200,8 @@ def test_champion_absent_only_when_the_model_or_alias_does_not_exist(tmp_path):
 
 
 def test_champion_lookup_retries_a_transient_error_and_never_reads_it_as_no_champion(tmp_path):
-    from tasks.report import promote_task
+    from flows.pipeline import promote_task
+    from tasks.refs import Leaderboard, Row
 
     tr = Tracker(_cfg(tmp_path))
     v1, v2 = _registered(tr, 2)
@@ -209,7 +212,9 @@ def test_champion_lookup_retries_a_transient_error_and_never_reads_it_as_no_cham
 
     # the registry keeps failing: promotion fails instead of handing the alias to the worse v1
     tr.client = _FlakyRegistry(real, failures=10**6)
-    board = {"leaderboard": [{"student": "s0", "model_version": v1, "metrics": {"CIDEr": 0.1}}]}
+    board = Leaderboard(rows=(Row(student="s0", preset="s0", metrics={"CIDEr": 0.1}, params=1, latency_ms=1.0,
+                                  unique_fraction=1.0, distinct_captions=1, repeated_token_rate=0.0, run_id="",
+                                  model_version=v1),))
     with tr.run("pipeline") as parent:
         rc = RunContext(tr.cfg, tr, parent, StageCache(tr.cfg.workdir))
         with pytest.raises(RuntimeError, match="database is locked"):
@@ -293,7 +298,7 @@ _LOCKED_SCRIPT = """
 import logging, sqlite3
 import prefect  # configures Prefect's logging (its console handler)
 import sqlalchemy.exc
-from flows.pipeline import quiet_database_locked
+from flows.prefect_server import quiet_database_locked
 
 quiet_database_locked()
 log = logging.getLogger("prefect.events.clients")

@@ -10,7 +10,7 @@ from captioning.data.loader import ZarrFeatures
 from captioning.data.plans import ingest_plan, vocab_plan
 from captioning.data.prepare import ingest, vocab_and_labels
 from captioning.data.synthetic_features import informative_store
-from captioning.training.recipe import stage_plan
+from captioning.training.recipe import model_plan
 from captioning.training.stages import StageContext
 from captioning.workdir import Workdir
 
@@ -38,7 +38,7 @@ def synth_ctx(synth_parts, tmp_path):
     labels = tmp_path / "labels.zarr"
     shutil.copytree(labels_uri, labels)
     torch.manual_seed(0)
-    ctx = StageContext.from_paths(stage_plan(cfg), vocab_path, str(labels), features_uri, ds)
+    ctx = StageContext.from_paths(model_plan(cfg, "teacher"), vocab_path, str(labels), features_uri, ds)
     assert isinstance(ctx.source, ZarrFeatures)
     ctx.cfg = cfg  # the config the plan came from: the tests build their own settings from it
     return ctx

@@ -10,6 +10,7 @@ from captioning.data.loader import image_batches
 from captioning.data.stores import LabelStore, StoreError
 from captioning.decoding import beam_search
 from captioning.models.params import count
+from captioning.training.loop import load_model
 from captioning.training.recipe import caption_dataset, label_sources, student_arch, teacher_arch, xe_settings
 from captioning.training.stages import evaluate, fit_xe, seqkd
 
@@ -18,9 +19,8 @@ from captioning.training.stages import evaluate, fit_xe, seqkd
 def teacher(synth_ctx, tmp_path):
     ctx = synth_ctx
     arch = teacher_arch(ctx.cfg.teacher.model, ctx.vocab, ctx.d_in, ctx.cfg.dataset.max_words)
-    model, res, _ = fit_xe(ctx, arch, tmp_path / "teacher", settings=xe_settings(ctx.cfg.teacher.xe, ctx.cfg,
-                                                                                 epochs=2))
-    return model, res.best_checkpoint
+    res = fit_xe(ctx, arch, tmp_path / "teacher", settings=xe_settings(ctx.cfg.teacher.xe, ctx.cfg, epochs=2))
+    return load_model(res.checkpoint)[0], res.best_checkpoint
 
 
 def test_seqkd_adds_a_source_with_the_teachers_beam_captions(synth_ctx, teacher):
@@ -71,11 +71,12 @@ def test_satic_weight_init_from_teacher(synth_ctx, teacher, tmp_path):
     assert arch.group_size == 4
     s = xe_settings(ctx.cfg.students.xe, ctx.cfg, epochs=1)
     s.lr, s.schedule = 1e-12, "constant"  # (almost) no update: the weights stay the teacher's
-    model, _, info = fit_xe(ctx, arch, tmp_path / "satic", settings=s, init_from=ckpt)
-    assert info["init_loaded"] > 0
+    res = fit_xe(ctx, arch, tmp_path / "satic", settings=s, init_from=ckpt)
+    model, _ = load_model(res.checkpoint)
+    assert res.init_loaded > 0
     teacher_sd = torch.load(ckpt, weights_only=True)["state_dict"]
     same = [k for k, v in model.state_dict().items() if k in teacher_sd and teacher_sd[k].shape == v.shape]
-    assert len(same) == info["init_loaded"]
+    assert len(same) == res.init_loaded
     for k in same:
         torch.testing.assert_close(model.state_dict()[k], teacher_sd[k], atol=1e-6, rtol=0)
 
@@ -85,10 +86,10 @@ def test_evaluation_report(synth_ctx, teacher):
     model, _ = teacher
     out = evaluate(ctx, model, latency_images=3)
     test_ids = {e.image_id for e in ctx.dataset.split("test")}
-    assert {p["image_id"] for p in out["predictions"]} == test_ids == set(range(min(test_ids), max(test_ids) + 1)) & \
+    assert {p["image_id"] for p in out.predictions} == test_ids == set(range(min(test_ids), max(test_ids) + 1)) & \
         test_ids
-    m = out["metrics"]
+    m = out.metrics
     assert set(m) >= {"Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE"} and m["SPICE"] is None
-    assert out["spice"].startswith("unavailable")
-    assert out["params"] == count(model, "full") and out["latency_ms"] > 0
-    assert 0 <= out["novel_fraction"] <= 1 and out["avg_length"] >= 0 and out["beam"] == ctx.cfg.evaluation.beam
+    assert out.spice.startswith("unavailable")
+    assert out.params == count(model, "full") and out.latency_ms > 0
+    assert 0 <= out.novel_fraction <= 1 and out.avg_length >= 0 and out.beam == ctx.cfg.evaluation.beam

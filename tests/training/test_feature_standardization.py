@@ -80,7 +80,8 @@ def test_training_stores_the_training_splits_statistics_in_the_saved_model(synth
     arch = teacher_arch(ctx.cfg.teacher.model, ctx.vocab, ctx.d_in, ctx.cfg.dataset.max_words,
                         standardize=ctx.cfg.loader.standardize_features)
     assert arch.standardize_features
-    model, res, _ = fit_xe(ctx, arch, tmp_path / "t", settings=xe_settings(ctx.cfg.teacher.xe, ctx.cfg, epochs=1))
+    res = fit_xe(ctx, arch, tmp_path / "t", settings=xe_settings(ctx.cfg.teacher.xe, ctx.cfg, epochs=1))
+    model, _ = load_model(res.checkpoint)
     mean, dev = region_stats(ctx.source, ctx.rows("train"))
     np.testing.assert_allclose(model.feature_mean.numpy(), mean, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(model.feature_scale.numpy(), 1 / dev, rtol=1e-5)
@@ -101,19 +102,21 @@ def test_weight_init_takes_the_teachers_statistics_without_recomputing_them(synt
     words = ctx.cfg.dataset.max_words
     teacher = teacher_arch(ctx.cfg.teacher.model, ctx.vocab, ctx.d_in, words, standardize=True)
     one = xe_settings(ctx.cfg.students.xe, ctx.cfg, epochs=1)
-    t_model, t_res, _ = fit_xe(ctx, teacher, tmp_path / "t", settings=one)
+    t_res = fit_xe(ctx, teacher, tmp_path / "t", settings=one)
+    t_model, _ = load_model(t_res.checkpoint)
     calls = []
     real = stages.region_stats
     monkeypatch.setattr(stages, "region_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
     student = student_arch("satic", "tiny", ctx.vocab, ctx.d_in, words, standardize=True)
-    s_model, _, info = fit_xe(ctx, student, tmp_path / "s", settings=one, init_from=t_res.best_checkpoint)
-    assert calls == [] and info["init_loaded"] > 0
+    s_res = fit_xe(ctx, student, tmp_path / "s", settings=one, init_from=t_res.best_checkpoint)
+    s_model, _ = load_model(s_res.checkpoint)
+    assert calls == [] and s_res.init_loaded > 0
     torch.testing.assert_close(s_model.feature_mean, t_model.feature_mean)
     torch.testing.assert_close(s_model.feature_scale, t_model.feature_scale)
 
     plain = teacher_arch(ctx.cfg.teacher.model, ctx.vocab, ctx.d_in, words)  # no statistics in its checkpoint
-    _, p_res, _ = fit_xe(ctx, plain, tmp_path / "p", settings=one)
-    s2, _, _ = fit_xe(ctx, student, tmp_path / "s2", settings=one, init_from=p_res.best_checkpoint)
+    p_res = fit_xe(ctx, plain, tmp_path / "p", settings=one)
+    s2, _ = load_model(fit_xe(ctx, student, tmp_path / "s2", settings=one, init_from=p_res.best_checkpoint).checkpoint)
     assert calls == [1]
     mean, _ = real(ctx.source, ctx.rows("train"))
     np.testing.assert_allclose(s2.feature_mean.numpy(), mean, rtol=1e-6, atol=1e-6)

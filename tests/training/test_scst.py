@@ -11,7 +11,7 @@ from captioning.decoding import sample
 from captioning.metrics.cider import CiderD
 from captioning.models.encoder_decoder import Captioner
 from captioning.training import checkpoint
-from captioning.training.recipe import stage_plan, student_arch, teacher_arch, xe_settings
+from captioning.training.recipe import model_plan, student_arch, teacher_arch, xe_settings
 from captioning.training.scst import ScstLoss
 from captioning.training.stages import fit_scst, fit_xe
 
@@ -132,18 +132,18 @@ def test_scst_kill_and_resume_gives_identical_weights(synth_ctx, tmp_path):
     cfg = ctx.cfg
     arch = teacher_arch(cfg.teacher.model, ctx.vocab, ctx.d_in, cfg.dataset.max_words)
     xe = xe_settings(cfg.teacher.xe, cfg, epochs=2)
-    _, res, _ = fit_xe(ctx, arch, tmp_path / "xe", settings=xe)
+    res = fit_xe(ctx, arch, tmp_path / "xe", settings=xe)
     init = res.best_checkpoint
     cfg.students.scst.epochs = 2
     cfg.students.scst.samples = 3
-    ctx.plan = stage_plan(cfg)  # the stage functions read the plan, made from the config once
-    _, r1 = fit_scst(ctx, init, tmp_path / "ref")
+    ctx.plan = model_plan(cfg, "lw")  # the stage functions read the plan, made from the config once
+    r1 = fit_scst(ctx, init, tmp_path / "ref")
     assert r1.epochs_run == 2 and all("reward" in h for h in r1.history)
     steps_per_epoch = -(-len(ctx.rows("train")) // cfg.loader.batch_size)
     with pytest.raises(KeyboardInterrupt):
         fit_scst(ctx, init, tmp_path / "killed", stop_after_steps=steps_per_epoch + 2)  # dies in epoch 2
     assert checkpoint.load(tmp_path / "killed" / "last.pt")["epoch"] == 0
-    _, r2 = fit_scst(ctx, init, tmp_path / "killed")
+    r2 = fit_scst(ctx, init, tmp_path / "killed")
     assert r2.resumed_from_epoch == 1
     a = checkpoint.load(tmp_path / "ref" / "last.pt")["state_dict"]
     b = checkpoint.load(tmp_path / "killed" / "last.pt")["state_dict"]
@@ -158,10 +158,10 @@ def test_radix_student_scst_step(synth_ctx, tmp_path):
     cfg = ctx.cfg
     arch = student_arch("acort", "tiny", ctx.vocab, ctx.d_in, cfg.dataset.max_words)
     assert arch.codec == "radix"
-    _, res, _ = fit_xe(ctx, arch, tmp_path / "xe", settings=xe_settings(cfg.students.xe, cfg, epochs=1))
+    res = fit_xe(ctx, arch, tmp_path / "xe", settings=xe_settings(cfg.students.xe, cfg, epochs=1))
     cfg.students.scst.epochs = 1
-    ctx.plan = stage_plan(cfg)
-    _, r = fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
+    ctx.plan = model_plan(cfg, "lw")
+    r = fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
     assert np.isfinite(r.history[0]["loss"]) and r.history[0]["reward"] >= 0
 
 
@@ -242,12 +242,12 @@ def test_scst_trains_with_dropout_off_by_default_and_records_it(family, synth_ct
     cfg = ctx.cfg
     arch = student_arch(family, "tiny", ctx.vocab, ctx.d_in, cfg.dataset.max_words)
     assert arch.dropout > 0
-    _, res, _ = fit_xe(ctx, arch, tmp_path / "xe", settings=xe_settings(cfg.students.xe, cfg, epochs=1))
+    res = fit_xe(ctx, arch, tmp_path / "xe", settings=xe_settings(cfg.students.xe, cfg, epochs=1))
     sc = cfg.students.scst  # shared by the session's tests: changed through monkeypatch, restored after
     assert sc.dropout == 0.0
     monkeypatch.setattr(sc, "epochs", 1)
     monkeypatch.setattr(sc, "samples", 2)
-    ctx.plan = stage_plan(cfg)
+    ctx.plan = model_plan(cfg, "lw")
     fit_scst(ctx, res.best_checkpoint, tmp_path / "scst")
     saved = checkpoint.load(tmp_path / "scst" / "last.pt")["arch"]
     assert saved["dropout"] == 0.0 and saved["input_dropout"] == 0.0
@@ -269,6 +269,6 @@ def test_scst_trains_with_dropout_off_by_default_and_records_it(family, synth_ct
         assert not torch.allclose(kept.forward(feats, boxes, mask, tokens), eval_lp, atol=1e-4)
 
     monkeypatch.setattr(sc, "dropout", None)
-    ctx.plan = stage_plan(cfg)
+    ctx.plan = model_plan(cfg, "lw")
     fit_scst(ctx, res.best_checkpoint, tmp_path / "scst-kept")
     assert checkpoint.load(tmp_path / "scst-kept" / "last.pt")["arch"]["dropout"] == arch.dropout

@@ -64,13 +64,12 @@ def test_a_job_for_another_world_size_is_refused(tmp_path):
     """A job written for 2 processes under a launch of 1: refused before training (its folder and data shards are
     those of 2 processes)."""
     from captioning.config import load_config
-    from captioning.training.recipe import train_plan
-    from captioning.training.stages import TrainSpec
+    from captioning.training.recipe import model_plan
+    from captioning.training.stages import Inputs
     from captioning.training.torchrun import write_job
 
     cfg = load_config("tiny", None, [f"run.workdir={tmp_path}"])
-    spec = TrainSpec(model="lw", vocab_path="v", labels_uri="l", features_uri="f", out=str(tmp_path / "out"))
-    job = write_job(tmp_path / "job.json", train_plan(cfg, spec.model), spec, 2)
+    job = write_job(tmp_path / "job.json", model_plan(cfg, "lw"), Inputs("v", "l", "f"), str(tmp_path / "out"), 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,3 +79,17 @@ def test_a_job_for_another_world_size_is_refused(tmp_path):
                        text=True, timeout=300, cwd=tmp_path)
     assert p.returncode != 0 and "written for 2 processes, this launch has 1" in p.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, says", [("{not json", "cannot be read"), ("[1, 2]", "not a capflow training job"),
+                                        ('{"format": "capflow-train-job/3"}', "missing")])
+def test_a_malformed_job_is_one_line_and_exit_2(tmp_path, capsys, text, says):
+    """A damaged or hand-edited job file: exit 2 and one line naming the file, no traceback (before any process
+    group is joined)."""
+    from captioning.training.torchrun import main
+
+    job = tmp_path / "job.json"
+    job.write_text(text, encoding="utf-8")
+    assert main([str(job)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {job}:") and says in err and len(err.splitlines()) == 1
