@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from captioning.errors import InputError
+from captioning.models.names import FAMILIES, PRESET_NAMES
 
 
 class ConfigError(InputError, ValueError):
@@ -127,7 +128,7 @@ class DatasetConfig(Section):
 
 class BottomUpOptions(Section):
     """How a bottom-up flavour departs from its reference. Every option unset = the flavour's reference value
-    (the table in the README's "Bottom-up features" section); each one set names a deviation, recorded in the
+    (the table in docs/bottom-up.md, "The pipeline, per flavour, and every deviation as an option"); each one set names a deviation, recorded in the
     store's attributes and name."""
 
     stem_pool: Literal["caffe", "detectron2"] | None = Field(
@@ -304,7 +305,7 @@ class SCSTConfig(Section):
                                    "unset = loader.batch_size")
     dropout: float | None = Field(
         0.0, ge=0, lt=1, description="Dropout at every site of the model while SCST samples and re-scores; 0 = the "
-        "policy SCST improves is the one greedy/beam decoding evaluates (chosen on validation: README, 'SCST "
+        "policy SCST improves is the one greedy/beam decoding evaluates (chosen on validation: docs/training.md, 'SCST "
         "recipe'); unset = the model's own XE dropout, as the released SCST code keeps it")
 
 
@@ -353,14 +354,11 @@ class StudentsConfig(Section):
     @field_validator("per_student", mode="before")
     @classmethod
     def _merged_over_defaults(cls, v: Any) -> Any:
-        from captioning.models.registry import PRESETS
-        from captioning.training.recipe import FAMILIES
-
         if not isinstance(v, dict):
             return v
         merged: dict[str, Any] = {k: dict(e) for k, e in DEFAULT_PER_STUDENT.items()}
         for name, entry in v.items():
-            if name not in FAMILIES and name not in PRESETS:
+            if name not in FAMILIES and name not in PRESET_NAMES:
                 raise ValueError(f"unknown student {name!r} (families: {', '.join(FAMILIES)})")
             if isinstance(entry, StudentOverrides):
                 entry = entry.model_dump(exclude_unset=True)

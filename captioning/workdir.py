@@ -19,10 +19,7 @@ named by what determines its content (``<settings digest>.zarr``, ``informative-
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from captioning.config import PipelineConfig
+from typing import Any
 
 
 class Workdir:
@@ -32,7 +29,8 @@ class Workdir:
         self.root = Path(root)
 
     @classmethod
-    def of(cls, cfg: PipelineConfig) -> Workdir:
+    def of(cls, cfg: Any) -> Workdir:
+        """The workdir of a config (anything with ``run.workdir``: the layout depends on no config type)."""
         return cls(cfg.run.workdir)
 
     # data

@@ -24,7 +24,8 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from captioning.config import PipelineConfig, load_config
-from captioning.training.recipe import model_plan, preset_name
+from captioning.models.names import preset_name
+from captioning.training.recipe import model_plan
 from flows.prefect_server import quiet_database_locked
 from tasks import data, fanout, report, training
 from tasks.common import RunContext

@@ -40,7 +40,7 @@ MODEL_VERSIONS_TAG = "mlflow.modelVersions"  # MLflow's own LoggedModel tag: the
 ARTIFACT = "model"  # the name of the model folder among the pyfunc model's artifacts (artifacts/model/)
 MODEL_TYPE = "image-captioner"
 # the third-party distributions the model code imports when it loads and captions (detectron2 is not on the package
-# index: it is installed by infra/install_detectron2.py, see README "The registered model in MLflow")
+# index: it is installed by infra/install_detectron2.py, see docs/pipeline.md, "The registered model in MLflow")
 REQUIREMENTS = ("mlflow", "torch", "torchvision", "numpy", "pandas", "pillow", "pydantic", "pyyaml", "tqdm", "zarr",
                 "numcodecs", "fsspec", "scipy", "fvcore", "iopath", "yacs", "termcolor", "tabulate", "omegaconf",
                 "pycocotools")

@@ -20,9 +20,10 @@ from captioning.data.karpathy import Dataset
 from captioning.data.stores import LabelStore
 from captioning.metrics.coco import references_document
 from captioning.metrics.evaluation import Evaluation
+from captioning.models.names import TEACHER_NAMES
 from captioning.training import checkpoint
 from captioning.training.loop import FitResult, load_model
-from captioning.training.recipe import TEACHER_NAMES, ModelPlan, model_plan
+from captioning.training.recipe import ModelPlan, model_plan
 from captioning.training.stages import Inputs, StageContext, evaluate, run_training, seqkd
 from captioning.util import sha256_file
 from tasks.common import RunContext, log

@@ -47,10 +47,10 @@ from captioning.data.stores import Labels
 from captioning.data.text import N_SPECIAL, PAD, RadixCodec
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.layers import explicit_attention
+from captioning.models.names import FAMILIES, preset_name
 from captioning.models.registry import preset, scaled
 from captioning.precision import resolve_precision
 from captioning.training.loop import StepRunner, TrainSettings, make_optimizer
-from captioning.training.recipe import FAMILIES, preset_name
 from captioning.training.scst import ScstLoss
 
 RADIX_WORDS = 9485  # word-like ids of a COCO-size vocabulary (9,487 words + <unk> - specials): 2 radix digits

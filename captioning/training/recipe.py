@@ -23,38 +23,9 @@ from captioning.data.loader import CaptionDataset, FeatureSource
 from captioning.data.stores import GROUND_TRUTH, Labels
 from captioning.data.text import BOS, EOS, PAD, RadixCodec, Vocabulary
 from captioning.models.encoder_decoder import ArchConfig, Captioner
-from captioning.models.registry import PRESETS, for_vocab, preset, scaled
+from captioning.models.names import SIZES, TEACHER_NAMES, preset_name
+from captioning.models.registry import for_vocab, preset, scaled
 from captioning.training.loop import TrainSettings, compile_mode
-
-#: student family -> the registry preset that stands for it (any registry preset name is accepted as well)
-FAMILIES: dict[str, str] = {
-    "aic": "aic",
-    "acort": "acort-base",
-    "expansionnet": "expansionnet",
-    "lw": "lw-1x",
-    "satic": "satic-k4",
-    "zodiac": "zodiac-sigmoid",
-}
-
-#: model sizes below the papers' ("base" = the preset exactly as published): d_model, layers, heads, d_ff
-SIZES: dict[str, tuple[int, int, int, int]] = {
-    "small": (256, 3, 8, 1024),
-    "demo": (128, 2, 4, 512),
-    "tiny": (32, 1, 2, 64),
-}
-
-#: the names that mean the AIC teacher (``capflow train --model``, the teacher as an evaluated model)
-TEACHER_NAMES = ("teacher", "aic")
-
-
-def preset_name(name: str) -> str:
-    """A student family (``satic``) or a registry preset (``satic-k2``) -> the registry preset name."""
-    if name in FAMILIES:
-        return FAMILIES[name]
-    if name in PRESETS:
-        return name
-    raise ValueError(f"unknown student {name!r}: use a family ({', '.join(FAMILIES)}) or a registry preset "
-                     f"({', '.join(sorted(PRESETS))})")
 
 
 def size_of(size: str) -> tuple[int, int, int, int] | None:

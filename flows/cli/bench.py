@@ -158,7 +158,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="extract, learning: config overrides")
     b.add_argument("--threads", type=int, help="extract: torch threads per model (default 1); learning: torch "
                    "threads (default: torch's own, one per core) - a CPU run reproduces to the bit only with the same "
-                   "threads and CPU capability (README, 'What reproduces where')")
+                   "threads and CPU capability (docs/training.md, 'What reproduces where')")
     b.add_argument("--seeds", type=int, default=3, help="learning: full runs with seeds 0..N-1 added to the preset's "
                    "(default 3); every number as mean and sd, ratios on the means, claims counted per seed")
     b.add_argument("--proposals", type=int, default=100, help="heads: ROI-head boxes per image (default 100)")

@@ -61,8 +61,7 @@ CUSTOM = ("captions", "seqkd_source", "init", "scst_from", "features", "labels",
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from captioning.training.recipe import preset_name
-    from tasks.training import TEACHER_NAMES
+    from captioning.models.names import TEACHER_NAMES, preset_name
 
     if args.nproc is not None and args.nproc < 1:
         raise CLIError("--nproc must be >= 1")
@@ -81,9 +80,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _recipe(args: argparse.Namespace) -> int:
     """The pipeline's job for the model: its stage record when it has one (``--retrain``: trained anew)."""
+    from captioning.models.names import TEACHER_NAMES
     from tasks.data import MissingStageError, features_for, ingest, vocab
     from tasks.refs import StudentFailure, StudentResult
-    from tasks.training import TEACHER_NAMES, model_job
+    from tasks.training import model_job
 
     is_teacher = args.model in TEACHER_NAMES
     if args.nproc is not None:
