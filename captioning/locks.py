@@ -29,10 +29,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from captioning.errors import InfrastructureError
+from captioning.errors import InfrastructureError, InputError
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "capflow.lock"
+
+
+class LockFileLink(InputError, RuntimeError):
+    """A lock file is a symbolic link: capflow never writes through one (it would truncate the link's target)."""
+
+
+def _open_lock_file(path: str | Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LockFileLink(f"{path} is a symbolic link, which capflow does not write through: remove it (capflow "
+                               "creates the lock file itself)") from None
+        raise
 
 
 class WorkdirBusy(InfrastructureError, RuntimeError):
@@ -90,7 +104,7 @@ def hold_workdir(workdir: str | Path, command: str) -> Iterator[Path]:
     root = Path(workdir)
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
-    path = (root / LOCK_NAME).resolve()
+    path = root.resolve() / LOCK_NAME  # the folder resolved, never the lock file: a link there is refused
     key = str(path)
     with _guard:
         if key in _held:  # this process holds it already (re-entrant)
@@ -105,7 +119,7 @@ def hold_workdir(workdir: str | Path, command: str) -> Iterator[Path]:
             with _guard:
                 _held[key][1] -= 1
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -151,7 +165,7 @@ def file_lock(path: str | Path, what: str, timeout: float = 120.0) -> Iterator[N
     one-time set-up that two processes must not do at once. ``TimeoutError`` names ``what`` and the file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(p)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -16,6 +16,12 @@ after another epoch) never touches the blobs a reader of the older manifest is f
 
 Credentials and the endpoint come from the environment only (``AWS_*``, ``AWS_ENDPOINT_URL``), as for the feature
 stores.
+
+What the store holds is not trusted: every name used as a key (a document, a tree, a blob) and every file name a
+manifest lists must be a relative path that stays inside its root (no absolute path, no ``..``), a blob's name must
+be a sha256, and a tree is materialised only inside its local folder - a bucket that someone else can write cannot
+make capflow read, write or delete anything outside the store or the workdir. A blob whose content or size does not
+match its name is refused when read and replaced when published again.
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from captioning.errors import CapflowError
+from captioning.util import inside, safe_relative
 
 BLOB_CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ObjectStoreError(CapflowError, RuntimeError):
@@ -66,13 +75,22 @@ class ObjectStore:
         self.root = root.rstrip("/")
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self._hashes: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256
-        self._known: set[str] = set()  # blobs known to be stored
+        self._known: dict[str, int] = {}  # blobs known to be stored -> their stored size
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.uri!r})"
 
     def key(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
+        """The store key of the name ``parts`` (joined with ``/``), which must stay inside the store."""
+        try:
+            return "/".join([self.root, safe_relative("/".join(parts), f"{self.uri}: an object name")])
+        except ValueError as e:
+            raise ObjectStoreError(str(e)) from None
+
+    def _blob(self, sha: str) -> str:
+        if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+            raise ObjectStoreError(f"{self.uri}: {sha!r} is not a blob name (a sha256 in hex)")
+        return self.key("blobs", sha)
 
     # ------------------------------------------------------------------ blobs
     def sha256(self, path: Path) -> str:
@@ -86,37 +104,49 @@ class ObjectStore:
         """Every blob's name (one listing; used to skip uploads of what is there)."""
         self.fs.invalidate_cache()  # s3fs keeps listings: other processes write here
         try:
-            names = self.fs.find(self.key("blobs"))
+            found = self.fs.find(self.key("blobs"), detail=True)
         except FileNotFoundError:
-            names = []
-        self._known.update(n.rsplit("/", 1)[-1] for n in names)
+            found = {}
+        self._known.update((n.rsplit("/", 1)[-1], int(info.get("size") or 0)) for n, info in found.items())
         return set(self._known)
 
     def has_blob(self, sha: str) -> bool:
-        if sha in self._known:
-            return True
-        if self.fs.exists(self.key("blobs", sha)):
-            self._known.add(sha)
-            return True
-        return False
+        return self._stored_size(sha) is not None
+
+    def _stored_size(self, sha: str) -> int | None:
+        if sha not in self._known:
+            try:
+                self._known[sha] = int(self.fs.size(self._blob(sha)))
+            except FileNotFoundError:
+                return None
+        return self._known[sha]
 
     def put_blob(self, path: str | Path, sha: str | None = None) -> str:
-        """Store the file's contents (if not stored yet); returns its sha256."""
+        """Store the file's contents (unless a blob of that name and size is stored: one of another size is damaged
+        and replaced); returns its sha256."""
         path = Path(path)
         sha = sha or self.sha256(path)
-        if not self.has_blob(sha):
-            self._put_file(path, self.key("blobs", sha))
-            self._known.add(sha)
+        size = path.stat().st_size
+        if self._stored_size(sha) != size:
+            self._put_file(path, self._blob(sha))
+            self._known[sha] = size
         return sha
+
+    def drop_blob(self, sha: str) -> None:
+        """Remove a damaged blob (the next publish of a file with that content stores it again)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._blob(sha))
+        self._known.pop(sha, None)
 
     def get_blob(self, sha: str, dest: str | Path) -> Path:
         """The blob written to ``dest`` (atomically), after checking its content against its name."""
         dest = Path(dest)
+        key = self._blob(sha)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             try:
-                self.fs.get_file(self.key("blobs", sha), str(tmp))
+                self.fs.get_file(key, str(tmp))
             except FileNotFoundError:
                 raise ObjectStoreError(f"{self.uri}: blob {sha} is missing (named by a manifest)") from None
             got = file_sha256(tmp)
@@ -206,12 +236,23 @@ class ObjectStore:
         self.delete(self._manifest_name(rel))
 
     def manifest(self, rel: str) -> dict[str, list] | None:
+        """The tree ``rel``'s files: relative name -> [sha256, size], every entry checked (a name that leaves the
+        tree, a blob name that is not a sha256 or a size that is not a count makes the manifest damaged)."""
+        where = f"{self.uri}/{self._manifest_name(rel)}"
         doc = self.get_json(self._manifest_name(rel))
         if doc is None:
             return None
         files = doc.get("files") if isinstance(doc, dict) else None
         if not isinstance(files, dict):
-            raise ObjectStoreError(f"{self.uri}/{self._manifest_name(rel)} is not a manifest")
+            raise ObjectStoreError(f"{where} is not a manifest")
+        for name, entry in files.items():
+            try:
+                safe_relative(name, f"{where}: a file name")
+            except ValueError as e:
+                raise ObjectStoreError(str(e)) from None
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                    and _SHA256.fullmatch(entry[0]) and isinstance(entry[1], int) and entry[1] >= 0):
+                raise ObjectStoreError(f"{where}: entry {name!r} is not [sha256, size]")
         return files
 
     def fetch(self, rel: str, local: str | Path) -> bool:
@@ -223,14 +264,18 @@ class ObjectStore:
         local = Path(local)
         for name, (sha, size) in files.items():
             dest = local / name if name else local
-            if dest.is_file() and dest.stat().st_size == size and self.sha256(dest) == sha:
+            if name and not inside(local, dest.parent):  # a folder of the tree is a link out of it
+                raise ObjectStoreError(f"{self.uri}: {rel}/{name} would be written outside {local} (a symbolic "
+                                       "link in the way); remove the link and run again")
+            if dest.is_file() and not dest.is_symlink() and dest.stat().st_size == size and self.sha256(dest) == sha:
                 continue
             self.get_blob(sha, dest)
         return True
 
-    def check(self, rels: Iterable[str] | None = None, content: bool = True) -> list[str]:
+    def check(self, rels: Iterable[str] | None = None, content: bool = True,
+              damaged: set[str] | None = None) -> list[str]:
         """Problems with the trees ``rels`` (default: every tree): a missing manifest or blob, a blob of the wrong
-        size or (``content``) content. Empty: intact."""
+        size or (``content``) content - those blobs' names are added to ``damaged``. Empty: intact."""
         problems = []
         self.fs.invalidate_cache()
         if rels is None:
@@ -245,7 +290,7 @@ class ObjectStore:
                 problems.append(f"{rel}: no manifest in {self.uri}")
                 continue
             for name, (sha, size) in files.items():
-                key = self.key("blobs", sha)
+                key = self._blob(sha)
                 try:
                     got_size = self.fs.size(key)
                 except FileNotFoundError:
@@ -253,6 +298,8 @@ class ObjectStore:
                     continue
                 if got_size != size:
                     problems.append(f"{rel}/{name}: blob {sha[:16]} holds {got_size} bytes, not {size}")
+                    if damaged is not None:
+                        damaged.add(sha)
                 elif content:
                     h = hashlib.sha256()
                     with self.fs.open(key, "rb") as f:
@@ -260,4 +307,6 @@ class ObjectStore:
                             h.update(block)
                     if h.hexdigest() != sha:
                         problems.append(f"{rel}/{name}: blob {sha[:16]} is damaged")
+                        if damaged is not None:
+                            damaged.add(sha)
         return problems

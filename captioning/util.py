@@ -69,9 +69,11 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], object], what: s
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a leftover of a killed writer of this pid, or a link planted there: never written through
+        with open_new(tmp) as f:
             write(f)
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # replaces a link at ``path`` itself, never what it points to
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -91,3 +93,32 @@ def _no_space(exc: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def safe_relative(name: str, what: str) -> str:
+    """``name`` (a path read from a file, a store or a record) as a relative POSIX path that stays inside the root it
+    is joined to: no absolute path, no ``..``/``.``/empty component, no backslash, no NUL (:class:`ValueError` naming
+    ``what`` otherwise). ``""`` is the root itself."""
+    if not isinstance(name, str):
+        raise ValueError(f"{what}: a path must be a string, not {type(name).__name__}")
+    if name == "":
+        return name
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts) \
+            or (len(parts[0]) >= 2 and parts[0][1] == ":"):
+        raise ValueError(f"{what}: {name!r} is not a path inside its root (absolute, '..', '.', empty part, "
+                         "backslash or NUL)")
+    return name
+
+
+def inside(root: str | Path, path: str | Path) -> bool:
+    """Whether ``path`` - symbolic links resolved, also in its existing parents - lies within ``root``."""
+    base = os.path.realpath(root)
+    p = os.path.realpath(path)
+    return p == base or p.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def open_new(path: str | Path) -> IO[bytes]:
+    """``path`` created for writing, refusing to follow a symbolic link placed there (or to reuse any file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    return os.fdopen(fd, "wb")

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from captioning.data.stores import CorruptDataError
 from captioning.objectstore import ObjectStoreError
-from captioning.util import atomic_write
+from captioning.util import atomic_write, safe_relative
 from captioning.workdir import Workdir
 from tasks.refs import RecordMismatch, Ref
 
@@ -33,19 +33,22 @@ RECORD_VERSION = 2
 #: the library code each stage's output depends on (a change there invalidates the stage and what follows)
 STAGE_CODE: dict[str, tuple[str, ...]] = {
     "ingest": ("captioning/data",),
-    "extract": ("captioning/features", "captioning/data/stores.py", "captioning/data/synthetic_features.py"),
+    "extract": ("captioning/features", "captioning/data/stores", "captioning/data/synthetic_features.py"),
     "vocab": ("captioning/data",),
 }
 TRAINING_CODE = ("captioning",)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @cache
 def code_version(*paths: str) -> str:
     """Digest of the sources under ``paths`` (relative to the repository; default: the whole library)."""
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     h = hashlib.sha256()
     for rel in paths or ("captioning",):
         base = root / rel
+        if not base.exists():  # a moved module must not silently drop out of the stage keys
+            raise FileNotFoundError(f"code_version: {base} does not exist (STAGE_CODE names a moved module?)")
         files = [base] if base.is_file() else sorted(base.rglob("*"))
         for p in files:
             if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts:
@@ -87,6 +90,15 @@ PATH_FIELDS = frozenset({"path", "rejects_path", "uri", "vocab_path", "labels_ur
 PORTABLE = "@run/"
 #: workdir folders published whole, by their first two path components (a stage folder, a store, a dataset's images)
 TREE_ROOTS = ("runs", "features", "synthetic")
+
+
+def portable_rel(value: str, what: str) -> str:
+    """The workdir-relative path of a portable ``@run/...`` value read from a record; a path that would leave the
+    workdir makes the record a :class:`RecordMismatch` (not this stage's: it runs again), never a file outside."""
+    try:
+        return safe_relative(value[len(PORTABLE):], f"a {what} record")
+    except ValueError as e:
+        raise RecordMismatch(str(e)) from None
 
 
 def tree_of(rel: str) -> str:
@@ -295,7 +307,7 @@ class StageCache:
     def materialise(self, ref: R) -> R:
         """A portable ``ref`` made this workdir's: the trees it names fetched from the run store, its
         ``@run/...`` paths under this workdir."""
-        rels = {k: v[len(PORTABLE):] for k, v in self._paths(ref).items() if v.startswith(PORTABLE)}
+        rels = {k: portable_rel(v, type(ref).__name__) for k, v in self._paths(ref).items() if v.startswith(PORTABLE)}
         if not rels:
             return ref
         if not self.mirrored:

@@ -19,6 +19,7 @@ from captioning.data.prepare import ingest as read_dataset
 from captioning.data.prepare import vocab_and_labels
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.errors import InputError
+from captioning.util import atomic_write
 from tasks.cache import stage_key
 from tasks.common import RunContext, log
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef
@@ -40,7 +41,8 @@ def ingest(rc: RunContext) -> DatasetRef:
     rejects = {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"],
                "excluded": summary["excluded"]}
     rejects_path = wd.rejects(ds.digest)
-    rejects_path.write_text(json.dumps(rejects, indent=1, ensure_ascii=False), encoding="utf-8")
+    text = json.dumps(rejects, indent=1, ensure_ascii=False).encode("utf-8")
+    atomic_write(rejects_path, lambda f: f.write(text), "rejects")  # a link planted there is replaced, not followed
     ref = DatasetRef(run_id="", path=str(path), digest=ds.digest, images=summary["images"],
                      captions=summary["captions"], rejected_images=len(ds.rejected),
                      dropped_captions=len(ds.dropped_captions), splits=dict(summary["splits"]),

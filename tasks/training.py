@@ -25,7 +25,7 @@ from captioning.training import checkpoint
 from captioning.training.loop import FitResult, load_model
 from captioning.training.recipe import ModelPlan, model_plan
 from captioning.training.stages import Inputs, StageContext, evaluate, run_training, seqkd
-from captioning.util import sha256_file
+from captioning.util import atomic_write, sha256_file
 from tasks.common import RunContext, log
 from tasks.refs import DatasetRef, FeaturesRef, LabelsRef, SeqKDRef, StudentFailure, StudentResult, TeacherRef
 from tasks.tracking import LocalRecorder
@@ -253,7 +253,8 @@ def _evaluated(rc: RunContext, ctx: StageContext, run: str, run_name: str, check
         rc.tracker.metrics(erun, {**ev.scored(), **ev.summary()})
         rc.tracker.json_artifact(erun, "predictions.json", ev.predictions)
         rc.tracker.json_artifact(erun, "metrics.json", ev.to_json())
-    predictions.write_text(json.dumps(ev.predictions, ensure_ascii=False), encoding="utf-8")
+    text = json.dumps(ev.predictions, ensure_ascii=False).encode("utf-8")
+    atomic_write(predictions, lambda f: f.write(text), "predictions")
     return ev, model, st
 
 
@@ -264,8 +265,8 @@ def _evaluate_and_register(rc: RunContext, run: str, plan: ModelPlan, ctx: Stage
     cfg = rc.cfg
     pred_path, ref_path = out / "predictions.json", out / "references.json"
     ev, model, st = _evaluated(rc, ctx, run, "evaluate", final, pred_path)
-    ref_path.write_text(json.dumps(references_document(ctx.text_references("test")), ensure_ascii=False),
-                        encoding="utf-8")
+    refs = json.dumps(references_document(ctx.text_references("test")), ensure_ascii=False).encode("utf-8")
+    atomic_write(ref_path, lambda f: f.write(refs), "references")
     model_dir = _model_folder(rc, out / "model", model, st, plan, labels.vocab_path, ev.scored())
     model_id = rc.tracker.log_model(
         run, model_dir, name=plan.preset, example=_example_image(cfg, ctx.dataset, rc),

@@ -260,13 +260,16 @@ def _checkpoint(path: Path, repair: bool, records: list[Path]) -> Finding:
 
 def _run_store(uri: str, repair: bool, res: VerifyResult) -> None:
     """A run store (``run.store``): every stage record parses, every workdir tree it names has its manifest and
-    every blob of it is there with the content its name says; a recorded checkpoint digest is its blob's. Repair
-    removes a damaged record (its stage runs again; a damaged tree's manifest goes with it)."""
+    every blob of it is there with the content its name says; a recorded checkpoint digest is its blob's; no path in
+    a record leaves the run. Repair removes a damaged record (its stage runs again; a damaged tree's manifest goes
+    with it, and so do its damaged blobs, which the stage's next publish stores again)."""
     from captioning.objectstore import ObjectStore, ObjectStoreError
-    from tasks.cache import PORTABLE, tree_of
+    from tasks.cache import PORTABLE, portable_rel, tree_of
+    from tasks.refs import RecordMismatch
 
     store = ObjectStore(uri)
     trees: dict[str, list[str]] = {}
+    damaged: set[str] = set()
     for name, _ in store.documents("stages"):
         where = f"{uri}/{name}"
         try:
@@ -285,10 +288,14 @@ def _run_store(uri: str, repair: bool, res: VerifyResult) -> None:
         result = doc["result"]
         for v in result.values():
             if isinstance(v, str) and v.startswith(PORTABLE):
-                rel = v[len(PORTABLE):]
+                try:
+                    rel = portable_rel(v, str(doc.get("stage")))
+                except RecordMismatch as e:  # a path out of the run: the record is damaged, nothing else is touched
+                    problems.append(str(e))
+                    continue
                 tree = tree_of(rel)
                 if tree not in trees:
-                    trees[tree] = store.check([tree])
+                    trees[tree] = store.check([tree], damaged=damaged)
                 problems += trees[tree]
                 digest = result.get("checkpoint_digest")
                 if v == result.get("checkpoint") and isinstance(digest, str) and not trees[tree]:
@@ -310,6 +317,8 @@ def _run_store(uri: str, repair: bool, res: VerifyResult) -> None:
         for tree, problems in trees.items():
             if problems:
                 store.forget(tree)
+        for sha in damaged:  # else the stage's next publish would name the damaged blob again
+            store.drop_blob(sha)
 
 
 # ---------------------------------------------------------------------- entry point

@@ -21,7 +21,7 @@ from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, read_ka
 from captioning.data.plans import IngestPlan, VocabPlan
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.data.text import Vocabulary, build_vocabulary
-from captioning.util import usable_cpus
+from captioning.util import atomic_write, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ def synthetic_dataset(s: SyntheticConfig, out: Path, progress: bool = False) -> 
             png_fraction=s.png_fraction, val_fraction=s.val_fraction, test_fraction=s.test_fraction,
             progress=progress,
         )
-        done.write_text(json.dumps(s.model_dump()), encoding="utf-8")
+        marker = json.dumps(s.model_dump()).encode("utf-8")
+        atomic_write(done, lambda f: f.write(marker), "synthetic dataset marker")
     return ann, out / "images"
 
 

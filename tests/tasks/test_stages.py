@@ -225,3 +225,13 @@ def test_promotion_decision():
     assert "without a comparison" in decide_promotion(best, "3", {"test_set": "other"}, "t").reason
     nobody = decide_promotion(None, "3", {}, "t")
     assert not nobody.changed and nobody.champion_version == "3" and nobody.reason == "no student finished"
+
+
+def test_every_path_the_stage_keys_digest_exists():
+    """A module named in STAGE_CODE that moved would drop out of the stage keys silently: it must exist."""
+    from tasks.cache import REPO_ROOT, STAGE_CODE, TRAINING_CODE, code_version
+
+    for paths in (*STAGE_CODE.values(), TRAINING_CODE):
+        assert all((REPO_ROOT / p).exists() for p in paths), paths
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        code_version("captioning/no_such_module.py")
