@@ -73,7 +73,8 @@ class RunConfig(Section):
         if v.startswith("s3://") and not v[len("s3://"):].strip("/"):
             raise ValueError("run.store s3:// names no bucket")
         return v.rstrip("/")
-    name: str = Field("capflow", description="Name of this pipeline (MLflow experiment name)")
+    name: str = Field("capflow", min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$",
+                      description="Name of this pipeline (MLflow experiment name; at most 200 printable characters)")
     seed: int = Field(0, description="Global random seed (data shuffling, initialisation, sampling)")
     parallel_students: int = Field(
         1, ge=1, description="Students trained at the same time (threads of one process; >1 gives up bit-for-bit "

@@ -122,3 +122,20 @@ def open_new(path: str | Path) -> IO[bytes]:
     """``path`` created for writing, refusing to follow a symbolic link placed there (or to reuse any file)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     return os.fdopen(fd, "wb")
+
+
+def source_digest(root: str | Path, *paths: str) -> str:
+    """sha256 of the Python and YAML sources under ``root/<path>`` for each of ``paths`` (files in sorted order, each
+    named relative to ``root``; ``__pycache__`` skipped): the identity of a piece of code wherever it lies - the
+    stage keys' code version, the library an MLflow Model carries. A path that does not exist raises."""
+    root = Path(root)
+    h = hashlib.sha256()
+    for rel in paths:
+        base = root / rel
+        if not base.exists():  # a moved module must not silently drop out of a digest
+            raise FileNotFoundError(f"source_digest: {base} does not exist")
+        for p in [base] if base.is_file() else sorted(base.rglob("*")):
+            if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts:
+                h.update(str(p.relative_to(root)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()

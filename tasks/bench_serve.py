@@ -5,6 +5,10 @@ for the model; each client sends ``requests`` single-image requests (real image 
 4, 16 ...; per level: requests/s, p50/p95/max latency, errors. Every answer is checked against the caption the
 first sequential request of that image gave (a server that answers fast but wrong is not faster). The anchor is
 concurrency 1 measured in the same run: ``throughput_cN`` = requests/s at N over requests/s at 1.
+
+The server runs the model's own ``code/`` (MLflow imports it): before starting it, the model is downloaded and its
+code compared with the installed capflow library; a model whose code differs is refused unless ``trust_code``
+(``--trust-model-code``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,19 @@ from typing import Any
 import numpy as np
 
 from captioning.bench.machine import machine_info
+from tasks.mlflow_models import check_model_code
 from tasks.model_server import mlflow_model_server
+
+
+def model_root(model_uri: str, dest: Path, env: dict[str, str] | None = None) -> Path:
+    """The MLflow Model ``model_uri`` as a local folder (a local path as is; a ``models:/`` or ``runs:/`` URI
+    downloaded into ``dest``)."""
+    if "://" not in model_uri and ":/" not in model_uri:
+        return Path(model_uri)
+    import mlflow.artifacts
+
+    uri = (env or {}).get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest), tracking_uri=uri))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -30,7 +46,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run(model_uri: str, images: Sequence[Path], *, concurrency: Sequence[int] = (1, 4, 16), requests: int = 32,
         beam: int | None = None, workers: int = 1, workdir: str | None = None,
-        env: dict[str, str] | None = None) -> dict[str, Any]:
+        env: dict[str, str] | None = None, trust_code: bool = False) -> dict[str, Any]:
     if not images:
         raise ValueError("bench serve needs image files (--images-dir)")
     if requests < 1 or min(concurrency) < 1:
@@ -38,6 +54,7 @@ def run(model_uri: str, images: Sequence[Path], *, concurrency: Sequence[int] = 
     payloads = [base64.b64encode(Path(p).read_bytes()).decode() for p in images]
     params = {"beam": beam} if beam else {}
     with tempfile.TemporaryDirectory(prefix="capflow-bench-serve-", dir=workdir) as tmp:
+        code = None if trust_code else check_model_code(model_root(model_uri, Path(tmp) / "model", env))
         t0 = time.perf_counter()
         with mlflow_model_server(model_uri, Path(tmp) / "serve.log", env=env, workers=workers) as server:
             startup = time.perf_counter() - t0
@@ -68,6 +85,7 @@ def run(model_uri: str, images: Sequence[Path], *, concurrency: Sequence[int] = 
     anchor = rows[0]["requests_per_s"]
     return {"bench": "serve", "model": model_uri, "images": len(payloads), "startup_s": startup,
             "params": {"concurrency": list(concurrency), "requests": requests, "beam": beam, "workers": workers},
+            "model_code": {"sha256": code, "checked": not trust_code},
             "anchor": f"concurrency {concurrency[0]}", "rows": rows,
             "ratios": {f"throughput_c{r['concurrency']}": r["requests_per_s"] / anchor for r in rows[1:]},
             "machine": machine_info(device=(env or {}).get("CAPFLOW_DEVICE")

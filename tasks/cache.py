@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from captioning.data.stores import CorruptDataError
 from captioning.objectstore import ObjectStoreError
-from captioning.util import atomic_write, safe_relative
+from captioning.util import atomic_write, safe_relative, source_digest
 from captioning.workdir import Workdir
 from tasks.refs import RecordMismatch, Ref
 
@@ -43,18 +43,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @cache
 def code_version(*paths: str) -> str:
     """Digest of the sources under ``paths`` (relative to the repository; default: the whole library)."""
-    root = REPO_ROOT
-    h = hashlib.sha256()
-    for rel in paths or ("captioning",):
-        base = root / rel
-        if not base.exists():  # a moved module must not silently drop out of the stage keys
-            raise FileNotFoundError(f"code_version: {base} does not exist (STAGE_CODE names a moved module?)")
-        files = [base] if base.is_file() else sorted(base.rglob("*"))
-        for p in files:
-            if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts:
-                h.update(str(p.relative_to(root)).encode())
-                h.update(p.read_bytes())
-    return h.hexdigest()[:16]
+    try:
+        return source_digest(REPO_ROOT, *(paths or ("captioning",)))[:16]
+    except FileNotFoundError as e:  # STAGE_CODE names a moved module
+        raise FileNotFoundError(f"code_version: {e}") from None
 
 
 class StageRecordError(CorruptDataError):

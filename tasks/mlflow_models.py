@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import captioning
+from captioning.errors import InputError
 from captioning.training.checkpoint import META_FILE, MODEL_FILE, VOCAB_FILE
+from captioning.util import source_digest
 
 CODE_FILE = Path(__file__).with_name("pyfunc_captioner.py")
 LIBRARY = Path(captioning.__file__).resolve().parent
@@ -44,6 +46,33 @@ MODEL_TYPE = "image-captioner"
 REQUIREMENTS = ("mlflow", "torch", "torchvision", "numpy", "pandas", "pillow", "pydantic", "pyyaml", "tqdm", "zarr",
                 "numcodecs", "fsspec", "scipy", "fvcore", "iopath", "yacs", "termcolor", "tabulate", "omegaconf",
                 "pycocotools")
+
+
+class ModelCodeMismatch(InputError, RuntimeError):
+    """An MLflow Model's ``code/`` (which MLflow imports when it loads or serves the model) is not the installed
+    capflow library."""
+
+
+def library_digest(code_root: str | Path | None = None) -> str:
+    """The digest of a ``captioning`` library: the installed one, or the one under ``code_root`` (an MLflow Model's
+    ``code/`` folder)."""
+    return source_digest(Path(code_root) if code_root is not None else LIBRARY.parent, "captioning")
+
+
+def check_model_code(model_root: str | Path) -> str:
+    """Refuse an MLflow Model whose ``code/captioning`` differs from the installed library (serving or loading it
+    runs that code: whoever can write the registry's artifacts chooses it). Returns the digest both have."""
+    code = Path(model_root) / "code"
+    if not (code / "captioning").is_dir():
+        raise ModelCodeMismatch(f"{model_root} carries no code/captioning: not a capflow MLflow Model")
+    got, mine = library_digest(code), library_digest()
+    if got != mine:
+        raise ModelCodeMismatch(
+            f"the model's code ({model_root}/code/captioning, sha256 {got[:12]}...) is not the installed capflow "
+            f"library (sha256 {mine[:12]}...): MLflow would run it when serving or loading the model. Serve it "
+            "only if you trust whoever can write the registry's artifacts (--trust-model-code), or train/log it "
+            "again with this capflow")
+    return got
 
 
 def pip_requirements() -> list[str]:
@@ -128,6 +157,7 @@ def log_captioner(client, experiment_id: str, run_id: str, model_dir: str | Path
     lm = retry(lambda: client.create_logged_model(experiment_id, name=name, source_run_id=run_id,
                                                   params=dict(params or {}),
                                                   tags={"capflow.model_format": "pyfunc-from-code",
+                                                        "capflow.code_sha256": library_digest(),
                                                         **dict(tags or {})},
                                                   model_type=MODEL_TYPE), "create logged model")
     try:

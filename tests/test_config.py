@@ -425,3 +425,16 @@ def test_renamed_keys_are_read_with_a_warning(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config("coco", overrides=["features.dask_workers=3", "students.torch_threads=2"])
+
+
+def test_run_name_is_bounded_input_not_an_mlflow_failure(capsys):
+    """A 600-character or control-character ``run.name`` is refused as input (exit 2, the key named), not reported
+    as a tracking store that cannot be opened."""
+    from flows.cli import main
+
+    with pytest.raises(ConfigError, match=r"run.name.*at most 200 characters"):
+        load_config("demo", overrides=["run.name=" + "x" * 600])
+    with pytest.raises(ConfigError, match="run.name"):
+        load_config("demo", overrides=["run.name=a\tb"])
+    assert main(["config", "show", "--preset", "demo", "--set", "run.name=" + "y" * 600]) == 2
+    assert "run.name" in capsys.readouterr().err

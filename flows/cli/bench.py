@@ -106,7 +106,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             levels = tuple(int(c) for c in args.concurrency.split(","))
             result = run_serve(args.model, images[: args.images or 8], concurrency=levels,
-                               requests=args.requests, beam=args.beam, workers=args.server_workers, workdir=args.tmp)
+                               requests=args.requests, beam=args.beam, workers=args.server_workers, workdir=args.tmp,
+                               trust_code=args.trust_model_code)
         except ValueError as e:
             raise CLIError(f"bench serve: {e}") from None
     else:  # pragma: no cover - argparse restricts choices
@@ -150,6 +151,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--requests", type=int, default=32, help="serve: requests per concurrency level (default 32)")
     b.add_argument("--beam", type=int, help="serve: the beam param of every request (default: the model's)")
     b.add_argument("--server-workers", type=int, default=1, help="serve: the server's worker processes (default 1)")
+    b.add_argument("--trust-model-code", action="store_true", help="serve: start the server although the model's "
+                   "code/ (which MLflow runs) differs from the installed capflow library")
     b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
     b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
     b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo); "

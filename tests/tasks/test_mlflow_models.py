@@ -229,3 +229,32 @@ def test_bench_serve_reports_throughput_and_latency_per_concurrency(registered, 
     assert out["ratios"]["throughput_c2"] == pytest.approx(out["rows"][1]["requests_per_s"] /
                                                            out["rows"][0]["requests_per_s"])
     assert out["machine"]["device"] == "cpu" and out["machine"]["cpus"] >= 1
+
+
+def test_a_model_whose_code_is_not_the_installed_library_is_not_served(registered, images, tmp_path, capsys,
+                                                                        monkeypatch):
+    """MLflow imports a model's ``code/`` when it serves it: whoever can write the registry's artifacts chooses
+    that code. The logged model records the library's digest, and `capflow bench serve` refuses a model whose code
+    differs from the installed capflow (exit 2, one line) before any server starts."""
+    from urllib.parse import urlparse
+
+    from flows.cli import main
+    from tasks.mlflow_models import check_model_code, library_digest
+
+    c = MlflowClient(registered["uri"])
+    lm = c.get_logged_model(registered["model_id"])
+    assert lm.tags["capflow.code_sha256"] == library_digest()
+    root = Path(urlparse(lm.artifact_location).path) if "://" in lm.artifact_location else Path(lm.artifact_location)
+    assert check_model_code(root) == library_digest()
+    planted = root / "code" / "captioning" / "util.py"
+    original = planted.read_bytes()
+    try:
+        planted.write_bytes(original + b"\nimport os  # runs in the server\n")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["uri"])
+        assert main(["bench", "serve", "--json", "--model", "models:/capflow-captioner@champion", "--images-dir",
+                     str(images[0].parent), "--requests", "1", "--concurrency", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "is not the installed capflow library" in err and "--trust-model-code" in err
+        assert "Traceback" not in err and sum("error:" in line for line in err.splitlines()) == 1
+    finally:
+        planted.write_bytes(original)
