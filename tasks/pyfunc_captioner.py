@@ -5,7 +5,8 @@ never pickled, and neither is anything it loads: the model's artifact ``model`` 
 (``model.pt`` read with ``torch.load(weights_only=True)``, ``vocab.json``, ``capflow.json``, ``detector/``) and
 :class:`captioning.inference.ImageCaptioner` does the work, exactly as for ``capflow caption``. The ``captioning``
 library comes with the model (its ``code/`` folder, MLflow's ``code_paths``), so only the third-party stack pinned
-in the model's ``requirements.txt`` (and detectron2: docs/pipeline.md, "The registered model in MLflow") has to be installed.
+in the model's ``requirements.txt`` (and detectron2: docs/pipeline.md, "The registered model in MLflow") has to be
+installed.
 
 Input: a table with one column ``image`` of image file bytes (base64 in a JSON request, ``dataframe_split`` or
 ``dataframe_records``). Output: a table with one column ``caption``, one row per input row. Params: ``beam``

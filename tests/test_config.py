@@ -434,7 +434,7 @@ def test_run_name_is_bounded_input_not_an_mlflow_failure(capsys):
 
     with pytest.raises(ConfigError, match=r"run.name.*at most 200 characters"):
         load_config("demo", overrides=["run.name=" + "x" * 600])
-    with pytest.raises(ConfigError, match="run.name"):
+    with pytest.raises(ConfigError, match=r"run\.name"):
         load_config("demo", overrides=["run.name=a\tb"])
     assert main(["config", "show", "--preset", "demo", "--set", "run.name=" + "y" * 600]) == 2
     assert "run.name" in capsys.readouterr().err
