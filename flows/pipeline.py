@@ -24,9 +24,10 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from captioning.config import PipelineConfig, load_config
+from captioning.errors import InputError
 from captioning.models.names import preset_name
 from captioning.training.recipe import model_plan
-from flows.prefect_server import quiet_database_locked
+from flows.prefect_server import caused_by, quiet_prefect_logs
 from tasks import data, fanout, report, training
 from tasks.common import RunContext
 from tasks.fanout import student_cluster
@@ -39,7 +40,16 @@ FLOW_NAME = "capflow-pipeline"
 
 # The jobs as Prefect tasks: the orchestrator's wrappers and retries live here, not in the jobs. Prefect's own cache
 # is off: caching is capflow's stage cache. A student is never retried as a task (its failure is a result).
-RETRY = {"retries": 1, "retry_delay_seconds": 5, "cache_policy": NO_CACHE}
+def _worth_retrying(task, task_run, state) -> bool:
+    """A task is retried after a passing failure, never after bad input (it would fail the same way)."""
+    try:
+        state.result()
+    except Exception as e:
+        return not caused_by(e, InputError)
+    return True
+
+
+RETRY = {"retries": 1, "retry_delay_seconds": 5, "retry_condition_fn": _worth_retrying, "cache_policy": NO_CACHE}
 ingest_task = task(data.ingest, name="ingest", **RETRY)
 extract_task = task(data.extract, name="extract", **RETRY)
 vocab_task = task(data.vocab, name="vocab", **RETRY)
@@ -70,7 +80,7 @@ def build_config(preset: str | None = "demo", config_path: str | None = None, ov
 def pipeline(preset: str = "demo", config_path: str | None = None, overrides: list[str] | None = None,
              students: list[str] | None = None, scst: bool = True) -> dict[str, Any]:
     """Run the whole capflow DAG (see the module docstring). Returns the run's summary (its JSON form)."""
-    quiet_database_locked()  # also where a worker runs the flow (no capflow CLI)
+    quiet_prefect_logs()  # also where a worker runs the flow (no capflow CLI)
     cfg = build_config(preset, config_path, overrides, students, scst)
     summary = run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
     from prefect.artifacts import create_markdown_artifact

@@ -1,6 +1,7 @@
 """Prefect-server plumbing of capflow's commands: Prefect's temporary (ephemeral) API server started with a clear
-failure and outside capflow's process group, and Prefect's "database is locked" tracebacks turned into one-line
-warnings. The flow itself is :mod:`flows.pipeline`."""
+failure and outside capflow's process group; Prefect's "database is locked" tracebacks turned into one-line
+warnings, and a task failed by one of capflow's expected errors logged as one line (the traceback with ``-v``).
+The flow itself is :mod:`flows.pipeline`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from captioning.errors import InfrastructureError
+from captioning.errors import InfrastructureError, InputError
 
 
 class SQLiteLockedFilter(logging.Filter):
@@ -34,22 +35,46 @@ class SQLiteLockedFilter(logging.Filter):
         return True
 
 
-def quiet_database_locked(filter_: logging.Filter | None = None) -> None:
-    """Install :class:`SQLiteLockedFilter` on every handler of the root logger and of Prefect's loggers (filters
-    on handlers see the records of every child logger). Idempotent. Prefect's logging is configured first (its
-    console handler is set up when its main module loads), so the filter lands on the handlers that will print."""
+def caused_by(exc: BaseException | None, kind: type | tuple[type, ...] = (InputError, InfrastructureError)) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a ``kind`` (default: one of capflow's expected errors -
+    bad input or an unavailable service, each already one line that names what to do)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class ExpectedErrorFilter(logging.Filter):
+    """A Prefect record that carries one of capflow's expected errors (:func:`caused_by`) keeps its message, which
+    names the error, without the traceback; with ``capflow -v`` (the root logger at INFO or below) it keeps it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.name.split(".")[0] == "prefect" and caused_by(record.exc_info[1]) \
+                and not logging.getLogger().isEnabledFor(logging.INFO):
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def quiet_prefect_logs(*filters: logging.Filter) -> None:
+    """Install :class:`SQLiteLockedFilter` and :class:`ExpectedErrorFilter` (or ``filters``) on every handler of the
+    root logger and of Prefect's loggers (filters on handlers see the records of every child logger). Idempotent.
+    Prefect's logging is configured first (its console handler is set up when its main module loads), so the
+    filters land on the handlers that will print."""
     import prefect.main  # noqa: F401
 
-    f = filter_ or _LOCKED_FILTER
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
                                       if n.split(".")[0] in ("prefect", "uvicorn", "docket"))]
-    for lg in loggers:
-        for h in getattr(lg, "handlers", []):
-            if f not in h.filters:
-                h.addFilter(f)
+    for f in filters or _FILTERS:
+        for lg in loggers:
+            for h in getattr(lg, "handlers", []):
+                if f not in h.filters:
+                    h.addFilter(f)
 
 
-_LOCKED_FILTER = SQLiteLockedFilter()
+_FILTERS = (SQLiteLockedFilter(), ExpectedErrorFilter())
 
 
 @contextlib.contextmanager
@@ -111,7 +136,7 @@ def start_prefect_api() -> str | None:
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
     )
 
-    quiet_database_locked()
+    quiet_prefect_logs()
     api = PREFECT_API_URL.value()
     if api or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return api or None

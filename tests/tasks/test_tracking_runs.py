@@ -298,9 +298,9 @@ _LOCKED_SCRIPT = """
 import logging, sqlite3
 import prefect  # configures Prefect's logging (its console handler)
 import sqlalchemy.exc
-from flows.prefect_server import quiet_database_locked
+from flows.prefect_server import quiet_prefect_logs
 
-quiet_database_locked()
+quiet_prefect_logs()
 log = logging.getLogger("prefect.events.clients")
 locked = sqlalchemy.exc.OperationalError("UPDATE flow_run", {}, sqlite3.OperationalError("database is locked"))
 try:
