@@ -49,7 +49,8 @@ def write_tsv(path: Path, rows: int, *, dim: int, boxes: int, bad_every: int = 0
 
 def _child(params: dict) -> dict:
     """One import in this (fresh) process: seconds, counts, resident memory before and at peak."""
-    from captioning.data.imports import ButdTsvSource, import_source
+    from captioning.data.imports.butd_tsv import ButdTsvSource
+    from captioning.data.imports.importer import import_source
     from captioning.data.stores import OK, REJECTED
 
     start_rss = status_mb("VmRSS")

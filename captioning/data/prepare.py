@@ -143,7 +143,8 @@ def import_npy_features(
     -> a feature store whose rows are ``image_ids`` (in that order; files of other images follow as rejected
     rows). Missing/malformed files are rejected rows with a reason, never silently dropped. The other formats:
     :mod:`captioning.data.imports`."""
-    from captioning.data.imports import RuotianluoSource, import_source
+    from captioning.data.imports.importer import import_source
+    from captioning.data.imports.ruotianluo import RuotianluoSource
 
     att_dir, box_dir = Path(att_dir), Path(box_dir)
     source = RuotianluoSource(att_dir, box_dir, fmt="npy", boxes="relative")
