@@ -13,7 +13,8 @@ import pytest
 
 from captioning.data.karpathy import SPLIT_CODES, Dataset, ImageEntry
 from captioning.data.prepare import build_labels
-from captioning.data.stores import OK, REJECTED, CorruptDataError, FeatureStore, LabelStore, _read_rows_direct
+from captioning.data.stores import OK, REJECTED, CorruptDataError, FeatureStore, LabelStore
+from captioning.data.stores.direct import read_rows_direct
 from captioning.data.text import _JOINERS, _SPACE_LIKE, build_vocabulary, tokenize
 from captioning.jsonio import iter_array_field
 
@@ -188,15 +189,15 @@ def test_direct_reads_equal_zarr_reads(tmp_path):
         arr = s.group[name]
         m = arr.shape[0]  # the checksum array has a row per chunk
         for start, stop in ((None, None), (3, m - 2), (m // 4, m), (1, m // 2 + 5)):
-            got = _read_rows_direct(s.group, arr, start, stop)
+            got = read_rows_direct(s.group, arr, start, stop)
             assert got is not None and got.dtype == arr.dtype, (name, start, stop)
             np.testing.assert_array_equal(got, arr[start:stop])
-    assert _read_rows_direct(s.group, s.group["status"], 0, 8) is None  # a few chunks: zarr's own read
-    assert _read_rows_direct(s.group, s.group["reject_reason"], None, None) is None  # strings: zarr
+    assert read_rows_direct(s.group, s.group["status"], 0, 8) is None  # a few chunks: zarr's own read
+    assert read_rows_direct(s.group, s.group["reject_reason"], None, None) is None  # strings: zarr
     np.testing.assert_array_equal(s.status()[written:], 0)  # pending rows read as the fill value
     # a damaged chunk file: the direct read gives way to zarr's, which names the file
     bad = Path(uri) / "num_boxes" / "c" / "5"
     bad.write_bytes(bad.read_bytes()[:3])
-    assert _read_rows_direct(s.group, s.group["num_boxes"], None, None) is None
+    assert read_rows_direct(s.group, s.group["num_boxes"], None, None) is None
     with pytest.raises(CorruptDataError, match=str(bad)):
         FeatureStore.open(uri).num_boxes()
