@@ -27,6 +27,10 @@ from captioning.metrics.coco import (
     score,
     spice_status,
 )
+from captioning.metrics.coco import java as coco_java
+from captioning.metrics.coco import meteor as coco_meteor
+from captioning.metrics.coco import scoring as coco_scoring
+from captioning.metrics.coco import spice as coco_spice
 from captioning.metrics.diversity import caption_stats
 
 
@@ -160,11 +164,11 @@ def test_spice_env_variable_is_a_configured_location(tmp_path, monkeypatch):
 def test_spice_needs_a_jdk_on_java_15_plus(tmp_path, monkeypatch):
     for name in CORENLP_JARS:
         _jar(tmp_path / name)
-    monkeypatch.setattr(coco, "_java_major", lambda java="java": 17)
-    monkeypatch.setattr(coco, "_java_has_compiler", lambda java="java": False)
+    monkeypatch.setattr(coco_spice, "java_major", lambda java="java": 17)
+    monkeypatch.setattr(coco_spice, "_java_has_compiler", lambda java="java": False)
     jar_dir, status = spice_status(tmp_path)
     assert jar_dir is None and "no JavaScript engine" in status and "jdk.compiler" in status
-    monkeypatch.setattr(coco, "_java_major", lambda java="java": 11)
+    monkeypatch.setattr(coco_spice, "java_major", lambda java="java": 11)
     assert spice_status(tmp_path)[1] == "available"
 
 
@@ -172,12 +176,12 @@ def test_spice_command_keeps_jars_in_place(tmp_path):
     for name in CORENLP_JARS:
         _jar(tmp_path / name)
     cp_of = lambda cmd: cmd[cmd.index("-cp") + 1].split(":")  # noqa: E731
-    old = coco._spice_command(tmp_path, 8, tmp_path)
+    old = coco_spice._spice_command(tmp_path, 8, tmp_path)
     assert old[-1] == "edu.anu.spice.SpiceScorer" and not any(a.startswith("--add-opens") for a in old)
     cp = cp_of(old)
     assert cp[0].endswith("spice/spice-1.0.jar") and [str(tmp_path / j) for j in CORENLP_JARS] == cp[1:3]
     assert any(p.endswith("lib/SceneGraphParser-1.0.jar") for p in cp)
-    new = coco._spice_command(tmp_path, 17, tmp_path)
+    new = coco_spice._spice_command(tmp_path, 17, tmp_path)
     assert new[-1] == str(tmp_path / "CapflowSpice.java") and (tmp_path / "CapflowSpice.java").is_file()
     assert "--add-opens=java.base/java.lang=ALL-UNNAMED" in new and cp_of(new) == cp
 
@@ -214,7 +218,7 @@ def test_score_with_spice_jars_runs_spice(tmp_path, monkeypatch):
         calls["gts"], calls["res"], calls["jar_dir"] = gts, res, jar_dir
         return 0.25, [0.5, 0.25, 0.0]
 
-    monkeypatch.setattr(coco, "_run_spice", fake_run)
+    monkeypatch.setattr(coco_scoring, "run_spice", fake_run)
     out = score(SMALL_RESULTS, SMALL_REFS, metrics=("CIDEr", "SPICE"), spice_jars=tmp_path, per_image=True)
     assert out["spice"] == "available" and out["metrics"]["SPICE"] == 0.25
     assert out["per_image"]["SPICE"] == {1: 0.5, 2: 0.25, 3: 0.0}
@@ -252,7 +256,7 @@ def test_ptb_tokenize_is_not_shifted_by_jvm_warnings(monkeypatch):
     monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-XX:+UseLargePages")
     caps = ["A dog on the grass.", "two cats", "last one."]
     assert ptb_tokenize(caps) == ["a dog on the grass", "two cats", "last one"]
-    monkeypatch.setattr(coco, "_jvm_warnings_to_stderr", lambda: ())  # as before: the warning lands in stdout
+    monkeypatch.setattr(coco_java, "_jvm_warnings_to_stderr", lambda: ())  # as before: the warning lands in stdout
     with pytest.raises(RuntimeError, match=r"4 lines for 3 captions \(first line '\[.*warning"):
         ptb_tokenize(caps)
 
@@ -390,4 +394,4 @@ def test_one_meteor_jvm_serves_every_score_of_a_process_and_a_dead_one_is_replac
     assert coco.meteor_scorer() is not jvm and replaced == first
     assert 0 < first < 1
     coco.close_meteor()
-    assert coco._METEOR["scorer"] is None
+    assert coco_meteor._METEOR["scorer"] is None
