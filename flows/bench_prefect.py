@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from captioning.bench.scale import Stage
+from captioning.bench.scale.stages import Stage
 from tasks.bench_scale import STAGES as TASK_STAGES
 from tasks.bench_scale import dataset_path
 

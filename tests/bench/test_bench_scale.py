@@ -11,12 +11,12 @@ import pytest
 from captioning.bench.scale import (
     COCO_IMAGES,
     STAGES,
-    _tree_bytes,
     extrapolate,
     fit_stage,
     growth_exponent,
     held_out,
     run,
+    tree_bytes,
 )
 
 
@@ -88,8 +88,8 @@ def test_small_run_counts_and_bytes_are_real(tmp_path):
         assert rows["loader"]["counts"]["batches"] == math.ceil(gen["train_ok_rows"] / 50)
         # bytes: what the stage's outputs hold on disk, as left behind
         base = root / f"n{n}"
-        assert rows["ingest"]["output_bytes"] == _tree_bytes(base / "out" / "ingest") > 0
-        assert rows["vocab"]["output_bytes"] == _tree_bytes(base / "out" / "vocab") > 0
+        assert rows["ingest"]["output_bytes"] == tree_bytes(base / "out" / "ingest") > 0
+        assert rows["vocab"]["output_bytes"] == tree_bytes(base / "out" / "vocab") > 0
         assert rows["loader"]["output_bytes"] == 0
         for r in rows.values():
             assert r["seconds"] > 0 and r["peak_rss_mb"] >= r["start_rss_mb"] > 0
