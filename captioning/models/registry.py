@@ -9,7 +9,7 @@ Every preset also has a ``released`` flavour, ``<name>@released`` (:func:`releas
 AIC/SATIC/ZoDIAC/ORT/ACORT; ZoDIAC's FFN without ReLU and its pooling, computed per image as the released code
 computes it for a batch of one; ExpansionNet's eps 1e-9, five dropout sites and no cross-attention dropout;
 LW-Transformer's M2-shaped skeleton and per-group output projection; the released initialisation details).
-Checkpoints imported from the released code (:mod:`captioning.models.importers`) use these flavours. The
+Checkpoints imported from the released code (:mod:`captioning.models.released`) use these flavours. The
 parameters are the preset's, except for LW-Transformer: its released attention merges the heads with one
 ``Linear(d/k, d/k)`` shared by the k groups (``fc_o`` of ``LScaledDotProductAttention``), where the paper's counts
 imply a dense ``W_O``, so ``lw-*@released`` has fewer parameters than the paper reports (see ``PAPER_PARAMS``).

@@ -1,7 +1,7 @@
 """``capflow import-checkpoint``: a paper's released checkpoint -> a capflow model folder.
 
-The conversion is :func:`captioning.models.importers.import_checkpoint` (key mapping, id remapping, the
-``released`` flavour of the family's preset); the folder is written by
+The conversion is :func:`captioning.models.released.import_checkpoint` (key mapping, id remapping, the
+``released`` flavour of the code base's preset); the folder is written by
 :func:`captioning.training.checkpoint.save_model_dir` (``model.pt``, ``vocab.json``, ``capflow.json``), so
 ``capflow caption --model MODEL_DIR`` loads it like a folder the pipeline registered. The configuration given
 (``--preset/--config/--set``) supplies what the weights do not hold: the ``features`` section (the region
@@ -23,7 +23,7 @@ from flows.cli.common import CLIError
 
 def cmd_import_checkpoint(args: argparse.Namespace) -> int:
     from captioning.config import load_config
-    from captioning.models.importers import ImportCheckpointError, import_checkpoint
+    from captioning.models.released import ImportCheckpointError, import_checkpoint
     from captioning.training.checkpoint import MODEL_FILE, save_model_dir
     from captioning.workdir import Workdir
 
@@ -98,7 +98,7 @@ def _preset_name(args: argparse.Namespace) -> str:
 def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register ``capflow import-checkpoint`` on ``sub`` (the parser's subparsers); ``config_args`` adds
     ``--preset/--config/--set``."""
-    from captioning.models.importers import FAMILIES
+    from captioning.models.released import CODEBASES
 
     p = sub.add_parser("import-checkpoint", help="convert a paper's released checkpoint into a model folder",
                        description=(
@@ -109,8 +109,8 @@ def add_import_command(sub: Any, config_args: Callable[[argparse.ArgumentParser]
                            "supplies the features section (its feature_dim must be the checkpoint's input "
                            "width), dataset.max_words and evaluation.beam. Unknown or missing keys are errors "
                            "naming them (exit status 2)."))
-    p.add_argument("--from", dest="family", required=True, choices=list(FAMILIES),
-                   help="the released code base: " + ", ".join(FAMILIES))
+    p.add_argument("--from", dest="family", required=True, choices=list(CODEBASES),
+                   help="the released code base: " + ", ".join(CODEBASES))
     p.add_argument("ckpt", metavar="CKPT", help="the released checkpoint (a state dict of tensors)")
     p.add_argument("--vocab", required=True, metavar="VOCAB",
                    help="the released vocabulary: aic/satic/zodiac a JSON list of words (ids 1..V) or an "

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioning.models.importers import ImportCheckpointError, convert_expansionnet, import_checkpoint
+from captioning.models.released import ImportCheckpointError, convert_expansionnet, import_checkpoint
 
 D, D_IN, H, FF, N_ENC, N_DEC, NE, ND, MAXLEN = 16, 12, 4, 24, 2, 2, 5, 3, 20
 EPS = 1e-9

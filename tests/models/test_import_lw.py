@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from captioning.decoding.search import beam_search, greedy
 from captioning.models.encoder_decoder import Captioner
-from captioning.models.importers import ImportCheckpointError, convert_lw, import_checkpoint
 from captioning.models.params import count
 from captioning.models.registry import PAPER_PARAMS, preset, scaled
+from captioning.models.released import ImportCheckpointError, convert_lw, import_checkpoint
 
 D, D_IN, H, G, FF, N_ENC, N_DEC, MAX_LEN = 64, 20, 8, 2, 96, 3, 2, 20
 ITOS = ["<unk>", "<pad>", "<bos>", "<eos>", "a", "dog", "runs", "on", "grass", "cat"]  # the M2 TextField order

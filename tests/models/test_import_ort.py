@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from captioning.data.text import Vocabulary
 from captioning.inference import model_files
 from captioning.models.encoder_decoder import ArchConfig
-from captioning.models.importers import (
+from captioning.models.layers import BoxGeometry, sinusoid_table
+from captioning.models.registry import build
+from captioning.models.released import (
     ImportCheckpointError,
     box_channel_permutation,
     convert_relation,
     import_checkpoint,
 )
-from captioning.models.layers import BoxGeometry, sinusoid_table
-from captioning.models.registry import build
 from captioning.training import checkpoint
 from flows.cli import CLIError
 from flows.cli.common import config_args as _config_args

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioning.models.importers import ImportCheckpointError, convert_annotated, import_checkpoint, load_state_dict
 from captioning.models.layers import sinusoid_table
+from captioning.models.released import ImportCheckpointError, convert_annotated, import_checkpoint, load_state_dict
 
 D, D_IN, H, FF, N, WORDS = 16, 12, 4, 24, 2, ["a", "dog", "runs", "UNK", "cat"]
 

@@ -21,8 +21,8 @@ from captioning.decoding.search import greedy, to_words
 from captioning.inference import model_files, read_meta
 from captioning.metrics.evaluation import predict
 from captioning.models.encoder_decoder import ArchConfig
-from captioning.models.importers import ImportCheckpointError, capflow_word, import_checkpoint
 from captioning.models.registry import build
+from captioning.models.released import ImportCheckpointError, capflow_word, import_checkpoint
 from captioning.training import checkpoint
 from captioning.training.recipe import codec_for, max_tokens
 from flows.cli import CLIError
