@@ -1,4 +1,4 @@
-"""CUDA-graph-captured decoder steps for greedy and beam search (the host loop stays in ``search.py``).
+"""CUDA-graph-captured decoder steps for greedy and beam search (beam search's host loop stays in ``beam.py``).
 
 On a GPU a decoder step of these models is launch-bound: a few hundred small kernels whose launches cost far
 more than their arithmetic. :class:`GraphRows` captures a whole greedy or sampling search (every step's decoder
@@ -32,6 +32,8 @@ from collections import OrderedDict
 
 import torch
 
+from captioning.decoding.rows import static_rows
+from captioning.decoding.steps import argmax, decode_steps, race_sampler
 from captioning.models.encoder_decoder import Memory
 
 REGION_BUCKET = 12  # fixed-36 features need no padding; adaptive 10..100 regions give 9 shapes
@@ -128,33 +130,31 @@ class GraphStep:
 class GraphRows:
     """A whole row-wise search (greedy or sampling) captured as one graph for ``rows`` rows and ``regions``
     regions: the cross states primed from the static memory, the position counter reset, and every step with
-    its choices and bookkeeping (:func:`captioning.decoding.search.static_rows` without host reads, so every
+    its choices and bookkeeping (:func:`captioning.decoding.rows.static_rows` without host reads, so every
     step runs; the steps after the last row finished only write PAD). One replay per batch."""
 
     def __init__(self, model, rows: int, regions: int, d_memory: int, dtype: torch.dtype, max_len: int,
                  sampler: tuple, constraint: int, device: torch.device):
-        from captioning.decoding import search
-
         self.rows, self.regions = rows, regions
         self.device = device
-        max_len, steps = search._steps(model, max_len)
+        max_len, steps = decode_steps(model, max_len)
         self.memory = Memory(torch.zeros(rows, regions, d_memory, dtype=dtype, device=device),
                              torch.zeros(rows, regions, dtype=torch.bool, device=device))
         self.memory.mask[:, 0] = True  # capture-time content only; every batch copies its memory in
         self.cache = model.new_cache(static=True, max_len=steps * int(model.group_size), device=device)
         model.prime_cache(self.memory, self.cache)  # allocates the cross states the graph primes in place
         if sampler[0] == "greedy":
-            choose = search._argmax
+            choose = argmax
         elif sampler[0] == "sample":
-            choose = search.race_sampler(sampler[1])
+            choose = race_sampler(sampler[1])
         else:
             raise ValueError(f"unknown sampler {sampler!r}")
 
         def search_all():
             model.prime_cache(self.memory, self.cache, in_place=True)
             self.cache.reset()
-            return search.static_rows(model, lambda t: model.decode_step(self.memory, t, self.cache), rows,
-                                      device, max_len, choose, constraint, check_every=None)
+            return static_rows(model, lambda t: model.decode_step(self.memory, t, self.cache), rows, device,
+                               max_len, choose, constraint, check_every=None)
 
         search_all()  # on the current stream: allocates the static buffers
         _on_side_stream(device, lambda: [search_all() for _ in range(WARMUP)])

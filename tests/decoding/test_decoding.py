@@ -418,7 +418,7 @@ def test_static_sampling_at_low_temperature_is_greedy():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_exponential_race_draws_from_the_tempered_distribution(temperature):
-    from captioning.decoding.search import race_sampler
+    from captioning.decoding.steps import race_sampler
 
     probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
     n = 40000

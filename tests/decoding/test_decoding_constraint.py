@@ -1,4 +1,4 @@
-"""The decoding constraint (no word right after itself), written once in captioning.decoding.search."""
+"""The decoding constraint (no word right after itself), written once in captioning.decoding.steps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from captioning.decoding import beam_search, greedy, sample
-from captioning.decoding.search import _repeat_ban
+from captioning.decoding.steps import repeat_ban
 from tests.decoding.test_decoding import CODEC, _biased, check_well_formed, model_and_inputs, teacher_logprob
 
 
@@ -26,13 +26,13 @@ def _words(row: list[int], d: int) -> list[tuple[int, ...]]:
 
 def test_repeat_ban_positions():
     hist = torch.tensor([[5, 5], [5, 6]])
-    assert _repeat_ban(hist, 1).tolist() == [5, 6]  # words of one token: the last token is banned
-    assert _repeat_ban(hist[:, :0], 1) is None  # nothing before the first word
+    assert repeat_ban(hist, 1).tolist() == [5, 6]  # words of one token: the last token is banned
+    assert repeat_ban(hist[:, :0], 1) is None  # nothing before the first word
     # radix words of 2 digits: the next digit ends word 1; banned only where its first digit repeats word 0's
     digits = torch.tensor([[3, 4, 3], [3, 4, 2], [3, 3, 3]])
-    assert _repeat_ban(digits, 2).tolist() == [4, -1, 3]
-    assert _repeat_ban(digits[:, :2], 2) is None  # the next digit starts a word
-    assert _repeat_ban(digits[:, :1], 2) is None  # ends word 0: no previous word
+    assert repeat_ban(digits, 2).tolist() == [4, -1, 3]
+    assert repeat_ban(digits[:, :2], 2) is None  # the next digit starts a word
+    assert repeat_ban(digits[:, :1], 2) is None  # ends word 0: no previous word
 
 
 @pytest.mark.parametrize("name", ["aic", "satic-k4", "satic-k2"])

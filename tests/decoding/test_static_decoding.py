@@ -195,7 +195,7 @@ def test_graph_runner_equals_eager_with_fake_graphs(monkeypatch, name):
     cross states primed in place per batch, the position counter reset, reorders, one runner per shape) with
     stand-in graphs: the search equals the eager one for several batches through the same runners (greedy: one
     graph for the whole search, GraphRows; beam search: a graph per step and per reorder, GraphStep)."""
-    from captioning.decoding import graphs, search
+    from captioning.decoding import engines, graphs, steps
 
     monkeypatch.setattr(graphs, "_capture", _fake_capture)
     monkeypatch.setattr(graphs, "_on_side_stream", lambda device, fn: fn())
@@ -206,12 +206,12 @@ def test_graph_runner_equals_eager_with_fake_graphs(monkeypatch, name):
             mem = _memory(model, 3, seed=seed)
             ref = greedy(model, mem, max_len=12)
             with torch.inference_mode():
-                toks, tlp, lengths = search._greedy_static(model, mem, 12, True)
+                toks, tlp, lengths = engines.rows_static(model, mem, 12, True, steps.argmax)
             assert torch.equal(toks[:, None], ref.tokens) and torch.equal(lengths[:, None], ref.lengths)
             torch.testing.assert_close(tlp[:, None], ref.token_logprobs, **tol)
             ref = beam_search(model, mem, beam=3, max_len=12, n_best=2)
             with torch.inference_mode():
-                got = search._beam(model, mem, 3, 12, 0.0, 2, True, static=True, graphs=True)
+                got = engines.run_beam(model, mem, 3, 12, 0.0, 2, True, static=True, graphs=True)
             assert_same(got, ref, tol)
         runners = graphs._STORE[model]["graphs"]
         assert len(runners) == 2  # greedy (3 rows) and beam (9 rows), reused by the second batch
@@ -229,7 +229,7 @@ def test_graph_runner_equals_eager_with_fake_graphs(monkeypatch, name):
 def test_graph_sampling_runner_equals_eager_static_sampling_with_fake_graphs(monkeypatch, name):
     """The whole-search sampling graph's bookkeeping with stand-in graphs: after seeding the (default) generator,
     a replay draws what the eager static engine draws, batch after batch through one runner."""
-    from captioning.decoding import graphs, search
+    from captioning.decoding import engines, graphs, steps
 
     monkeypatch.setattr(graphs, "_capture", _fake_capture)
     monkeypatch.setattr(graphs, "_on_side_stream", lambda device, fn: fn())
@@ -238,11 +238,11 @@ def test_graph_sampling_runner_equals_eager_static_sampling_with_fake_graphs(mon
         for seed in (1, 2, 3):
             mem = _memory(model, 2, seed=seed).repeat(3)
             with torch.inference_mode():
-                search._rows_static(model, mem, 12, True, None, 0, ("sample", 0.8))  # first use: capture
+                engines.rows_static(model, mem, 12, True, None, 0, ("sample", 0.8))  # first use: capture
                 torch.manual_seed(seed)
-                got = search._rows_static(model, mem, 12, True, None, 0, ("sample", 0.8))
+                got = engines.rows_static(model, mem, 12, True, None, 0, ("sample", 0.8))
                 torch.manual_seed(seed)
-                ref = search._rows_static(model, mem, 12, False, search.race_sampler(0.8))
+                ref = engines.rows_static(model, mem, 12, False, steps.race_sampler(0.8))
             assert torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2])
             torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
         (runner,) = graphs._STORE[model]["graphs"].values()
