@@ -39,6 +39,7 @@ NO_RECORD = "no record"  # an image of the dataset without a record (sources tha
 NO_ARRAY = "no array"  # a .npz without the member the format needs
 NO_DATASET = "no dataset"  # an HDF5 file without the dataset the format needs
 ABSENT = "no "  # a file, key or field that is not there
+EXTERNAL = "external data"  # an HDF5 dataset whose data lives in another file (a link, external storage, virtual)
 OTHER = "other"  # anything else, including an error the reading library raised
 
 
@@ -143,3 +144,32 @@ class Source:
 
     def close(self) -> None:
         pass
+
+
+def declared_shape(fileobj: Any, where: str) -> tuple[int, ...]:
+    """The shape a ``.npy`` stream declares in its header, read without reading its data (the stream is left after
+    the header); :class:`Rejected` when it is not a ``.npy`` header."""
+    try:
+        version = np.lib.format.read_magic(fileobj)
+        shape, _, _ = (np.lib.format.read_array_header_1_0(fileobj) if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0(fileobj))
+    except (ValueError, OSError, EOFError) as e:
+        raise Rejected(BYTES, f"{where}: not a .npy header ({e})") from None
+    return tuple(int(v) for v in shape)
+
+
+def check_declared(shape: tuple[int, ...], where: str, *, max_boxes: int, feature_dim: int,
+                   rows_are_boxes: bool) -> None:
+    """Refuse, before any data is read, an array whose declared shape no record of the store can hold: more rows
+    than ``max_boxes`` (when its rows are regions) or more values than max_boxes x max(feature_dim, 4096)."""
+    if rows_are_boxes and shape and shape[0] > max_boxes:
+        raise Rejected(MAX_BOXES, f"{shape[0]} boxes > max_boxes={max_boxes}")
+    if int(np.prod(shape, dtype=np.float64)) > max_boxes * max(feature_dim, 4096):
+        raise Rejected(SHAPE, f"{where} declares shape {shape}: more values than a record of max_boxes={max_boxes} "
+                              "holds")
+
+
+def npz_member_shape(z: Any, key: str, where: str) -> tuple[int, ...]:
+    """The shape member ``key`` of an open ``np.load`` npz declares (its header only is read)."""
+    with z.zip.open(f"{key}.npy") as f:
+        return declared_shape(f, f"{where}[{key}]")

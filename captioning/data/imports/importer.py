@@ -17,6 +17,7 @@ the source gives pixels, also as ``boxes_px``; object/attribute ids and confiden
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections import Counter
@@ -46,7 +47,7 @@ from captioning.data.imports.base import (
     Scan,
     Source,
 )
-from captioning.data.stores import OK, REJECTED, FeatureStore
+from captioning.data.stores import OK, PENDING, REJECTED, FeatureStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ def _check(reg: Regions, known: tuple[int, int] | None, *, max_boxes: int, featu
         if name.endswith("_id") and (v.dtype.kind not in "iu" or (v.size and (v.min() < 0 or v.max() > 2**31 - 1))):
             raise Rejected(OUTSIDE, f"{name} holds values outside 0..2^31-1")
     size = reg.size
+    if size is not None and not all(-(2**31) <= int(v) < 2**31 for v in size):
+        raise Rejected(IMAGE_SIZE, f"image size {size[1]}x{size[0]} (w x h) is past 2^31-1: not an image's size")
     if size is not None and known is not None and tuple(size) != tuple(known):
         raise Rejected(IMAGE_SIZE, f"image size {size[1]}x{size[0]} (w x h) in the source differs from the image "
                                    f"file's {known[1]}x{known[0]}")
@@ -215,6 +218,34 @@ def _check(reg: Regions, known: tuple[int, int] | None, *, max_boxes: int, featu
     return out, rel, px, size, dict(reg.extras)
 
 
+_PROGRESS = "import_progress"  # the counts of the rows written so far, while an import runs
+
+
+def _resumed(uri: str, ids: np.ndarray, info: Mapping[str, Any], per_write: int, overwrite: bool
+             ) -> tuple[FeatureStore | None, int, Counter[str], int]:
+    """An unfinished store of this very import (same source description and image ids): (the store, the first row
+    to write, the reject counts and OK rows so far); (None, 0, ...) when there is none or ``overwrite``. A finished
+    store or one of another import raises :class:`StoreError` as creating over it would."""
+    if overwrite or not FeatureStore.exists(uri):
+        return None, 0, Counter(), 0
+    store = FeatureStore.open(uri, mode="r+")
+    done = store.attrs.get("import") or {}
+    same = {k: v for k, v in done.items() if k not in ("ok", "rejected", "reject_kinds")} == dict(info)
+    if not same or not np.array_equal(store.image_ids(), ids):
+        raise StoreError(f"a store already exists at {uri} holding another import (remove it or ask to overwrite)")
+    status = store.status()
+    pending = np.flatnonzero(status == PENDING)
+    if not len(pending):  # a finished import is not done again without asking
+        raise StoreError(f"a store already exists at {uri} (remove it or ask to overwrite)")
+    first = int(pending[0]) // per_write * per_write
+    counts = store.attrs.get(_PROGRESS) or {}
+    before = status[:first]
+    if counts.get("ok") != int((before == OK).sum()):  # written rows the counts do not cover: count afresh
+        return store, 0, Counter(), 0
+    log.info("%s: resuming the import at row %d of %d", uri, first, store.num_rows)
+    return store, first, Counter(counts.get("reject_kinds") or {}), int(counts["ok"])
+
+
 @dataclass
 class ImportResult:
     store: FeatureStore
@@ -232,7 +263,11 @@ def import_source(source: Source, uri: str, *, image_ids: Sequence[int] | None =
     is a row, records of other images are rejected rows; without it the source's records are the rows); ``sizes``:
     (height, width) of images whose files are known, for pixel boxes without a size in the source and to check the
     size a source states. Rows of a keyed source come in the dataset's order (else by image id), a streamed
-    source's in its own order; the images without a record come last."""
+    source's in its own order; the images without a record come last.
+
+    An import that was stopped resumes: an unfinished store at ``uri`` of this import (the same source and image
+    ids) is completed from its first unwritten rows; a finished store, or one of another import, is refused
+    unless ``overwrite``."""
     sizes = sizes or {}
     stream = None
     try:
@@ -241,20 +276,21 @@ def import_source(source: Source, uri: str, *, image_ids: Sequence[int] | None =
             raise FeatureImportError(f"no feature records in {source.describe()['path']}")
         plan = _plan(source, scan, image_ids)
         info = {"format": source.format, **source.describe(), "records": len(scan.ids)}
-        store = FeatureStore.create(
-            uri, plan.ids, max_boxes=max_boxes, feature_dim=feature_dim, chunk_rows=chunk_rows, dtype=dtype,
-            compressor=compressor, overwrite=overwrite, extras=source.extras,
-            attrs={"source": f"import-{source.format}", "import": info, **(dict(attrs) if attrs else {})})
-        if not source.keyed:
-            stream = source.stream(np.sort(plan.record[plan.code == LOAD]))
         want_dtype = np.dtype(dtype)
-        reasons: Counter[str] = Counter()
-        ok = 0
         # several whole chunks per write (fewer, larger Zarr writes), within ~16 MiB of row buffers
         row_bytes = max_boxes * (feature_dim * want_dtype.itemsize + 16 + 16 * len(source.extras))
         per_write = chunk_rows * max(1, min(64, (16 << 20) // max(1, chunk_rows * row_bytes)))
-        bar = tqdm(total=store.num_rows, desc="importing", disable=not progress, unit="image")
-        for start in range(0, store.num_rows, per_write):
+        store, first, reasons, ok = _resumed(uri, plan.ids, info, per_write, overwrite)
+        if store is None:
+            store = FeatureStore.create(
+                uri, plan.ids, max_boxes=max_boxes, feature_dim=feature_dim, chunk_rows=chunk_rows, dtype=dtype,
+                compressor=compressor, overwrite=overwrite, extras=source.extras,
+                attrs={"source": f"import-{source.format}", "import": info, **(dict(attrs) if attrs else {})})
+        if not source.keyed:
+            rows = np.arange(len(plan.ids))
+            stream = source.stream(np.sort(plan.record[(plan.code == LOAD) & (rows >= first)]))
+        bar = tqdm(total=store.num_rows, initial=first, desc="importing", disable=not progress, unit="image")
+        for start in range(first, store.num_rows, per_write):
             stop = min(start + per_write, store.num_rows)
             bar.update(stop - start)
             m = stop - start
@@ -320,9 +356,12 @@ def import_source(source: Source, uri: str, *, image_ids: Sequence[int] | None =
                 ok += 1
             store.write_rows(start, features=feats, boxes=boxes, num_boxes=nb, image_size=size, status=status,
                              reject_reason=why, extras=extras)
+            store.group.attrs[_PROGRESS] = {"ok": ok, "reject_kinds": dict(reasons)}  # what a resumed import counts on
         bar.close()
         rejected = store.num_rows - ok
         store.group.attrs["import"] = {**info, "ok": ok, "rejected": rejected, "reject_kinds": dict(reasons)}
+        with contextlib.suppress(KeyError):
+            del store.group.attrs[_PROGRESS]
         if rejected > 20:
             log.warning("%d rows rejected in all (%s); the list: FeatureStore.rejects() / capflow import-features "
                         "--json", rejected, ", ".join(f"{k}: {v}" for k, v in reasons.most_common()))

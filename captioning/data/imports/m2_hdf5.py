@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from captioning.data.imports.base import (
+    EXTERNAL,
+    MAX_BOXES,
     NO_DATASET,
     OTHER,
     SHAPE,
@@ -33,7 +35,7 @@ class M2HDF5Source(Source):
     format = "m2-hdf5"
     KEY = re.compile(r"(\d{1,18})_(features|boxes|cls_prob)")
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_boxes: int = 100, feature_dim: int = 2048):
         try:
             import h5py  # only where an HDF5 file is read
         except ImportError:  # pragma: no cover - a dependency of capflow
@@ -45,6 +47,7 @@ class M2HDF5Source(Source):
         except (OSError, ValueError) as e:
             raise FeatureImportError(f"{path}: not a readable HDF5 file ({e})") from None
         self.path = path
+        self.max_boxes, self.feature_dim = max_boxes, feature_dim
         self.has_cls = False
         self.ignored: list[str] = []
         self._ids: np.ndarray = np.zeros(0, np.int64)
@@ -81,11 +84,28 @@ class M2HDF5Source(Source):
         return Rejected(NO_DATASET, f"no dataset {image_id}_features in {self.path}")
 
     def _read(self, key: str) -> np.ndarray:
-        if key not in self.file:
+        """Dataset ``key``, checked before a byte of it is read: data kept in this file (no external link, external
+        storage or virtual dataset, which would read other files of this machine), numeric, and of a declared size
+        within the store's limits (features: rows <= max_boxes; any: values <= max_boxes x max(feature_dim, 4096))."""
+        import h5py
+
+        link = self.file.get(key, getlink=True)
+        if link is None:
             raise Rejected(NO_DATASET, f"no dataset {key!r}")
+        if isinstance(link, h5py.ExternalLink):
+            raise Rejected(EXTERNAL, f"{key!r} is a link to another file ({link.filename}): not read")
         ds = self.file[key]
         if not hasattr(ds, "shape") or ds.dtype.kind not in "iuf":
             raise Rejected(OTHER, f"{key!r} is not a numeric dataset")
+        if ds.external or ds.is_virtual:
+            how = "virtual dataset" if ds.is_virtual else "external storage"
+            raise Rejected(EXTERNAL, f"{key!r} keeps its data in other files (HDF5 {how}): not read")
+        shape = ds.shape
+        if key.endswith("_features") and len(shape) >= 1 and shape[0] > self.max_boxes:
+            raise Rejected(MAX_BOXES, f"{shape[0]} boxes > max_boxes={self.max_boxes}")
+        if ds.size > self.max_boxes * max(self.feature_dim, 4096):
+            raise Rejected(SHAPE, f"{key!r} declares shape {shape}: more values than a record of max_boxes="
+                                  f"{self.max_boxes} holds")
         return ds[()]
 
     def load(self, record: int) -> Regions:

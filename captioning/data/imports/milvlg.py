@@ -19,8 +19,10 @@ from captioning.data.imports.base import (
     Rejected,
     Scan,
     Source,
+    check_declared,
     image_id_in,
     list_names,
+    npz_member_shape,
     scan_names,
 )
 
@@ -35,10 +37,11 @@ class MilvlgSource(Source):
     format = "milvlg-npz"
     extras = ("boxes_px",)
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, max_boxes: int = 100, feature_dim: int = 2048):
         if not folder.is_dir():
             raise FeatureImportError(f"{folder} is not a folder")
         self.folder = folder
+        self.max_boxes, self.feature_dim = max_boxes, feature_dim
         self._names: list[str] = []
 
     def scan(self) -> Scan:
@@ -53,12 +56,16 @@ class MilvlgSource(Source):
         return Rejected(ABSENT, f"no .npz file for image {image_id} in {self.folder}")
 
     def load(self, record: int) -> Regions:
+        where = self.where(record)
         with np.load(self.folder / self._names[record], allow_pickle=False) as z:
             have = set(z.files)
             need = ("x", "bbox", "num_bbox", "image_h", "image_w")
             if lacking := [k for k in need if k not in have]:
                 raise Rejected(NO_ARRAY, f"no array {', '.join(map(repr, lacking))} (has "
                                          f"{', '.join(z.files) or 'none'})")
+            for key in need:  # what each member declares, before it is decompressed
+                check_declared(npz_member_shape(z, key, where), f"{where}[{key}]", max_boxes=self.max_boxes,
+                               feature_dim=self.feature_dim, rows_are_boxes=key == "x")
             x, bbox = z["x"], z["bbox"]  # never z["info"]: a pickle
             num, h, w = (_scalar_int(z[k], k) for k in ("num_bbox", "image_h", "image_w"))
         if x.ndim != 2 or x.shape[0] != num:

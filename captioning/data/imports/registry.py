@@ -60,8 +60,10 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("npz", _ruotianluo, paired=True, npz_members=NPZ_MEMBERS),
     Format("lmdb", _ruotianluo, paired=True, file=is_lmdb_file, entry=is_lmdb_name),
     Format("butd-tsv", _butd_tsv, file=is_tsv_file, entry=is_tsv_name, folder=True, tsv_fields=True),
-    Format("m2-hdf5", lambda spec, *_: M2HDF5Source(spec.path), file=is_hdf5_file, entry=is_hdf5_name),
-    Format("milvlg-npz", lambda spec, *_: MilvlgSource(spec.path), npz_members=MILVLG_MEMBERS, folder=True),
+    Format("m2-hdf5", lambda spec, boxes, dim: M2HDF5Source(spec.path, boxes, dim), file=is_hdf5_file,
+           entry=is_hdf5_name),
+    Format("milvlg-npz", lambda spec, boxes, dim: MilvlgSource(spec.path, boxes, dim), npz_members=MILVLG_MEMBERS,
+           folder=True),
 )}
 
 

@@ -85,12 +85,18 @@ class _Blobs:
         """Every record (file or key) with its image id."""
         self.open()
         if self.lmdb:
+            import lmdb
+
             names = []
-            with self._env.begin() as txn:
-                for key in txn.cursor().iternext(keys=True, values=False):
-                    if LMDB_INTERNAL.fullmatch(key):
-                        continue
-                    names.append(key.decode("latin-1"))
+            try:
+                with self._env.begin() as txn:
+                    for key in txn.cursor().iternext(keys=True, values=False):
+                        if LMDB_INTERNAL.fullmatch(key):
+                            continue
+                        names.append(key.decode("latin-1"))
+            except lmdb.Error as e:  # a damaged page: the keys cannot be listed
+                raise FeatureImportError(f"{self.path}: the LMDB is damaged, its keys cannot be listed "
+                                         f"({type(e).__name__}: {e})") from None
         else:
             names = list_names(self.path, f".{self.ext}")
         self._names = names
