@@ -129,8 +129,8 @@ class DatasetConfig(Section):
 
 class BottomUpOptions(Section):
     """How a bottom-up flavour departs from its reference. Every option unset = the flavour's reference value
-    (the table in docs/bottom-up.md, "The pipeline, per flavour, and every deviation as an option"); each one set names a deviation, recorded in the
-    store's attributes and name."""
+    (the table in docs/bottom-up.md, "The pipeline, per flavour, and every deviation as an option"); each one set
+    names a deviation, recorded in the store's attributes and name."""
 
     stem_pool: Literal["caffe", "detectron2"] | None = Field(
         None, description="Stem max-pool: caffe = k3 s2 p0 ceil (both ports), detectron2 = k3 s2 p1")
@@ -256,6 +256,9 @@ class FeaturesConfig(Section):
     feature_dim: int = Field(2048, ge=1, le=65_536, description="Region feature width")
     dtype: Literal["float16", "float32"] = Field("float16", description="Stored feature precision")
     chunk_rows: int = Field(8, ge=1, le=1_000_000, description="Images per Zarr chunk (the unit of parallel writing)")
+    max_reject_fraction: float = Field(
+        0.5, ge=0, le=1, description="capflow import-features with a dataset: most of its images allowed without "
+        "usable features (rejected rows); more fails the import (exit 2, the store removed)")
     compressor: Literal["none", "lz4", "zstd"] = Field(
         "lz4", description="Blosc codec for features (byte-shuffled); none = raw"
     )

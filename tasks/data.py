@@ -65,7 +65,8 @@ def extract(rc: RunContext, data: DatasetRef, *, uri: str | None = None, workers
     """Region features into the feature store (Dask-parallel, resumes at chunk level). ``reuse``: a recorded,
     intact store is returned as is; ``reuse=False`` (``capflow extract``) always passes over the store, which
     skips finished chunks (re-checking them) and fills the rest."""
-    from captioning.features.parallel import extract_features, store_uri
+    from captioning.features.naming import store_uri
+    from captioning.features.parallel import extract_features
 
     cfg = rc.cfg
     uri = uri or store_uri(cfg)
@@ -114,7 +115,7 @@ def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path |
     fit it."""
     from captioning.data.imports import RuotianluoSource, import_source, imported_uri, read_image_sizes, resolve
     from captioning.data.prepare import image_sizes
-    from captioning.features.parallel import imported_store_uri
+    from captioning.features.naming import imported_store_uri
 
     cfg = rc.cfg
     spec = resolve(fmt, source, att=att_dir, box=box_dir, boxes=boxes, tsv_fields=tsv_fields)
@@ -145,6 +146,7 @@ def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path |
     res = import_source(src, uri, image_ids=ids, sizes=sizes, max_boxes=f.max_boxes, feature_dim=f.feature_dim,
                         chunk_rows=f.chunk_rows, dtype=f.dtype, compressor=f.compressor, overwrite=overwrite,
                         progress=rc.progress, attrs=attrs)
+    _gate_import(res, uri, len(ids) if ids is not None else None, f.max_reject_fraction)
     summary = res.store.summary()
     ref = FeaturesRef(run_id="", uri=uri, digest=res.store.manifest()["digest"], ok=summary["ok"],
                       rejected=len(summary["rejected"]), source=f"import-{spec.format}",
@@ -154,10 +156,30 @@ def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path |
     return rc.done("extract", key, ref)
 
 
+def _gate_import(res: Any, uri: str, dataset_images: int | None, max_fraction: float) -> None:
+    """An import that imported no row, or (with a dataset) rejected more than ``features.max_reject_fraction`` of
+    its images, fails as bad input naming the reject kinds; its store is removed, so the same command runs again
+    once the input is fixed."""
+    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(res.reasons.items(), key=lambda kv: -kv[1])) or "none"
+    if res.ok == 0:
+        why = f"no row of {res.store.num_rows} was imported (rejects by kind: {kinds})"
+    elif dataset_images and res.rejected / dataset_images > max_fraction:
+        why = (f"{res.rejected} of the dataset's {dataset_images} images have no usable features (rejects by kind: "
+               f"{kinds}), more than features.max_reject_fraction={max_fraction}: is this the dataset's feature "
+               "file?")
+    else:
+        return
+    from captioning.data.imports import FeatureImportError
+    from tasks.verify import remove_store
+
+    remove_store(uri)
+    raise FeatureImportError(f"import into {uri} failed: {why}; the store was removed")
+
+
 def features_for(rc: RunContext, data: DatasetRef) -> FeaturesRef:
     """The feature store a single-stage command uses: the configured store's record for this dataset, else the
     most recent ``extract`` record of the workdir (an imported store); else :class:`MissingStageError`."""
-    from captioning.features.parallel import store_uri
+    from captioning.features.naming import store_uri
 
     _, hit = rc.cached("extract", FeaturesRef, dataset=data.digest, store=store_uri(rc.cfg),
                        source=rc.cfg.features.source)

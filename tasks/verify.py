@@ -187,7 +187,7 @@ def _label_store(uri: str, repair: bool, records: list[Path], res: VerifyResult)
         if not repair:
             return Finding(uri, "label store", "damaged", detail, store.repair_hint())
         removed = _remove_records(_records_naming(records, uri, stages=("seqkd",)))
-        _remove_store(uri)
+        remove_store(uri)
         return Finding(uri, "label store", "repaired", detail,
                        "removed the store" + (f" and stage records {removed}" if removed else "") +
                        ": `capflow run` rebuilds it (or `capflow vocab`)")
@@ -200,7 +200,7 @@ def _label_store(uri: str, repair: bool, records: list[Path], res: VerifyResult)
     return Finding(uri, "label store", "ok", detail)
 
 
-def _remove_store(uri: str) -> None:
+def remove_store(uri: str) -> None:
     if "://" in uri:
         import fsspec
 
@@ -373,7 +373,7 @@ def default_paths(cfg) -> list[str]:
     paths = [str(cfg.workdir)] if Path(cfg.workdir).is_dir() or not cfg.run.store else []
     base = cfg.feature_store_uri()
     if "://" in base:
-        from captioning.features.parallel import store_uri
+        from captioning.features.naming import store_uri
 
         uri = store_uri(cfg)
         if FeatureStore.exists(uri):

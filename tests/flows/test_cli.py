@@ -468,3 +468,32 @@ def test_import_checkpoint_is_registered_and_names_a_missing_file(capsys, tmp_pa
     assert rc == 2 and out == ""
     assert "none.pth" in err and "does not exist" in err
     assert not (tmp_path / "model").exists()
+
+
+def test_import_features_that_imports_nothing_or_too_little_exits_2(capsys, external: Path, tmp_path: Path) -> None:
+    """Every row rejected: exit 2 naming the reject kinds, and the store removed (the same command runs again once
+    the input is fixed). With a dataset, more than features.max_reject_fraction of its images without features:
+    the same. A partial import within the bound exits 0 (test_import_features_missing_npy_for_dataset_image)."""
+    npy = tmp_path / "bu"
+    shutil.copytree(external / "bu_features", npy)
+    for p in npy.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    for p in (npy / "cocobu_box_relative").glob("*.npy"):
+        np.save(p, np.zeros((3, 5)))  # every record's boxes of the wrong shape
+    rc, out, err = run(capsys, "import-features", "--npy-root", str(npy), "--out", str(tmp_path / "f.zarr"))
+    assert rc == 2 and out == ""
+    assert "no row of 5 was imported (rejects by kind: shape: 5)" in err and "the store was removed" in err
+    assert not (tmp_path / "f.zarr").exists()
+
+    root = tmp_path / "coco"
+    ann, _ = excerpt_root(external, root)
+    few = tmp_path / "few"
+    shutil.copytree(external / "bu_features", few)
+    for p in few.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    for iid in BU_IDS[1:]:
+        (few / "cocobu_att" / f"{iid}.npy").unlink()  # 4 of the dataset's 5 images without features
+    rc, _, err = run(capsys, "import-features", "--npy-root", str(few), "--out", str(tmp_path / "g.zarr"),
+                     *dataset_args(ann, root, tmp_path / "wd"))
+    assert rc == 2 and "4 of the dataset's 5 images have no usable features" in err
+    assert "features.max_reject_fraction=0.5" in err and not (tmp_path / "g.zarr").exists()
