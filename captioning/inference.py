@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from tqdm.auto import tqdm
 
 from captioning.config import FeaturesConfig
 from captioning.data.loader import MemoryFeatures
@@ -43,6 +42,7 @@ from captioning.metrics.evaluation import predict
 from captioning.models.encoder_decoder import ArchConfig
 from captioning.models.registry import build
 from captioning.precision import resolve_precision
+from captioning.progress import bar as progress_bar
 from captioning.training import checkpoint
 from captioning.training.checkpoint import DETECTOR_DIR, META_FILE, MODEL_FILE, VOCAB_FILE
 from captioning.training.recipe import codec_for, max_tokens
@@ -289,7 +289,7 @@ class ImageCaptioner:
         done: dict[int, str] = {}
         failed: dict[int, str] = {}
         show = self.progress if progress is None else progress
-        with tqdm(total=len(paths), desc="captioning", unit="img", disable=not show) as bar:
+        with progress_bar(total=len(paths), desc="captioning", unit="img", enabled=show) as bar:
             for start in range(0, len(paths), self.batch_size):
                 idx = range(start, min(start + self.batch_size, len(paths)))
                 good: list[int] = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from captioning import progress
 from captioning.config import PipelineConfig, load_config
 from captioning.errors import InputError
 from captioning.models.names import preset_name
@@ -82,13 +82,41 @@ def pipeline(preset: str = "demo", config_path: str | None = None, overrides: li
     """Run the whole capflow DAG (see the module docstring). Returns the run's summary (its JSON form)."""
     quiet_prefect_logs()  # also where a worker runs the flow (no capflow CLI)
     cfg = build_config(preset, config_path, overrides, students, scst)
-    summary = run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
+    sink = ProgressArtifacts()
+    progress.add_sink(sink)  # the stages' progress in the UI, as it goes (not as log lines)
+    try:
+        summary = run_pipeline(cfg, flow_run_id=str(flow_run.get_id() or ""))
+    finally:
+        progress.remove_sink(sink)
     from prefect.artifacts import create_markdown_artifact
 
     text = what_changed(summary)
     print(text)
     create_markdown_artifact(markdown=text, key="capflow-run-summary", description="what this run changed")
     return summary.to_record()
+
+
+class ProgressArtifacts:
+    """A :mod:`captioning.progress` sink: each progress bar of the run (extraction, an epoch, evaluation, ...) as a
+    Prefect progress artifact of the task run it belongs to, updated at the bars' pace (every
+    ``CAPFLOW_PROGRESS_EVERY`` seconds and when a bar closes)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[str, str], Any] = {}
+
+    def __call__(self, desc: str, done: float, total: float | None) -> None:
+        if not total:
+            return
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+        from prefect.context import TaskRunContext
+
+        ctx = TaskRunContext.get()
+        key = (str(ctx.task_run.id) if ctx else "", desc)
+        pct = min(100.0, 100.0 * done / total)
+        if key not in self.ids:
+            self.ids[key] = create_progress_artifact(pct, description=f"capflow: {desc}")
+        else:
+            update_progress_artifact(self.ids[key], pct)
 
 
 def what_changed(summary: RunSummary) -> str:
@@ -124,7 +152,7 @@ def _run_pipeline(cfg: PipelineConfig, flow_run_id: str, progress: bool | None) 
     # scheduler stops the run here
     with student_cluster(cfg) as client, RunContext.tracked(
             cfg, tracker, "pipeline", {"prefect.flow_run_id": flow_run_id},
-            progress=sys.stderr.isatty() if progress is None else progress) as rc:
+            progress=True if progress is None else progress) as rc:  # captioning.progress: bar or lines
         parent = rc.parent_run
         with rc.timed("ingest"):
             data = ingest_task(rc)

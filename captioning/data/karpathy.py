@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
-from tqdm.auto import tqdm
 
 from captioning.data.text import tokenize
 from captioning.errors import InputError
 from captioning.jsonio import iter_array_field
+from captioning.progress import bar as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -410,8 +410,8 @@ def read_karpathy(
         step = 64
         batches = [candidates[i: i + step] for i in range(0, len(candidates), step)]
         results: list[tuple[int, str, str | None]] = []
-        with ThreadPoolExecutor(max_workers=hash_workers) as pool, tqdm(
-                total=len(candidates), desc="checking images", disable=not progress, unit="img") as bar:
+        with ThreadPoolExecutor(max_workers=hash_workers) as pool, progress_bar(
+                total=len(candidates), desc="checking images", enabled=progress, unit="img") as bar:
             for got in pool.map(check, batches):
                 results += got
                 bar.update(len(got))

@@ -15,13 +15,13 @@ always describe exactly what the image shows and what its captions say.
 from __future__ import annotations
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from captioning.config import SyntheticConfig
 from captioning.data.karpathy import Dataset
 from captioning.data.plans import ExtractPlan
 from captioning.data.stores import OK, FeatureStore
 from captioning.data.synthetic import COCOID_OFFSET, COLOURS, SHAPES, scene_for
+from captioning.progress import bar as progress_bar
 
 _SIZES = ("small", "large")
 #: attribute layout: shape one-hot, colour one-hot, size one-hot, box (x1, y1, x2, y2, cx, cy, w, h), background
@@ -69,7 +69,7 @@ def informative_store(ds: Dataset, synthetic: SyntheticConfig, uri: str, *, feat
                "dataset_digest": ds.digest},
     )
     proj = projection(feature_dim, seed)
-    for c in tqdm(range(store.num_chunks), desc="informative features", disable=not progress, unit="chunk"):
+    for c in progress_bar(range(store.num_chunks), desc="informative features", enabled=progress, unit="chunk"):
         start, stop = store.chunk_range(c)
         n = stop - start
         feats = np.zeros((n, max_boxes, feature_dim), np.float32)

@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from captioning.data.loader import FeatureSource, image_batches
 from captioning.data.text import RadixCodec, Vocabulary
@@ -29,6 +28,7 @@ from captioning.metrics.coco import score
 from captioning.metrics.diversity import caption_stats, repetition_stats
 from captioning.models.params import count
 from captioning.precision import autocast
+from captioning.progress import bar as progress_bar
 
 #: the baseline's metrics: the fast ones (METEOR's JVM would cost a cached pipeline re-run seconds for one row)
 BASELINE_METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "ROUGE_L", "CIDEr")
@@ -63,7 +63,7 @@ def predict(model, source: FeatureSource, rows: np.ndarray, vocab: Vocabulary, *
     model.eval()
     out: dict[int, str] = {}
     n_batches = -(-len(rows) // batch_size)
-    for b in tqdm(image_batches(source, rows, batch_size), total=n_batches, desc=desc, disable=not progress,
+    for b in progress_bar(image_batches(source, rows, batch_size), total=n_batches, desc=desc, enabled=progress,
                   leave=False):
         b = b.to(device)
         with torch.inference_mode(), autocast(precision, device, cache=False):

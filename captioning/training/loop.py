@@ -41,12 +41,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from tqdm.auto import tqdm
 
 from captioning import stopping
 from captioning.data.loader import CaptionDataset, make_loader
 from captioning.models.encoder_decoder import PAD, Captioner
 from captioning.precision import autocast, grad_scaler, resolve_precision
+from captioning.progress import bar as progress_bar
 from captioning.training import checkpoint, ddp, graphs
 from captioning.training.schedules import constant, noam, step_decay
 
@@ -351,8 +351,8 @@ def train(
         t0, seen = time.perf_counter(), 0
         # sum over the epoch of (batch mean loss x images), float64 on the device: read every log_every steps
         total = torch.zeros((), dtype=torch.float64, device=dev)
-        bar = tqdm(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{s.epochs}",
-                   disable=not progress or rank != 0, leave=False)
+        bar = progress_bar(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{s.epochs}",
+                           enabled=progress and rank == 0, leave=False)
         for batch in bar:
             batch = batch.to(dev, non_blocking=pinned)
             value = runner(batch)

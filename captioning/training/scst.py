@@ -20,7 +20,8 @@ state is saved with every epoch checkpoint.
 The model is in train mode throughout, but by default with its dropout rates at 0 (``students.scst.dropout``,
 applied by :func:`captioning.training.stages.fit_scst`): the released SCST/M2 code samples with the XE dropout
 on, which improves a policy that greedy and beam decoding (dropout off) never run; measured at the ``learning``
-preset, that kept ExpansionNet (dropout 0.3) from gaining at all and gained less for ACORT (docs/training.md, "SCST recipe").
+preset, that kept ExpansionNet (dropout 0.3) from gaining at all and gained less for ACORT (docs/training.md,
+"SCST recipe").
 Precision: under reduced-precision autocast (``run.precision`` bf16/fp16 on CUDA) the encoder and the
 teacher-forced re-scoring run in the 16-bit type, but the sampling loop (and the greedy baseline) runs in
 fp32 by default (``sample_autocast=False``): it feeds one position per step for B x n rows, so it is

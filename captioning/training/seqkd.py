@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from captioning.data.karpathy import SPLIT_CODES
 from captioning.data.loader import FeatureSource, image_batches
@@ -25,6 +24,7 @@ from captioning.data.text import RadixCodec, Vocabulary
 from captioning.decoding import beam_search, word_ids
 from captioning.metrics.cider import CiderD
 from captioning.precision import autocast
+from captioning.progress import bar as progress_bar
 from captioning.training.recipe import references, split_rows
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def generate_seqkd(teacher, source: FeatureSource, labels_uri: str, vocab: Vocab
     teacher.eval().to(device)
     toks, lens, img_rows, img_ids = [], [], [], []
     n_batches = -(-len(rows) // batch_size)
-    for b in tqdm(image_batches(source, rows, batch_size), total=n_batches, desc="SeqKD", disable=not progress,
+    for b in progress_bar(image_batches(source, rows, batch_size), total=n_batches, desc="SeqKD", enabled=progress,
                   leave=False):
         b = b.to(device)
         with torch.inference_mode(), autocast(precision, device, cache=False):

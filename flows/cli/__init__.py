@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="capflow", description="Train and compare compact, fast image captioners.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (CAPFLOW_QUIET=1); without it, "
+                   "long commands show a bar on a terminal, a line every CAPFLOW_PROGRESS_EVERY seconds (30) elsewhere")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     data.add_commands(sub)
     workdir.add_commands(sub)
@@ -46,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.quiet:
+        from captioning.progress import QUIET_ENV
+
+        os.environ[QUIET_ENV] = "1"
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     func: Callable[[argparse.Namespace], int] = args.func

@@ -65,7 +65,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.threads is not None and args.threads < 1:
             raise CLIError("--threads must be >= 1")
         result = run_learning(preset=args.preset or "learning", overrides=tuple(args.overrides), workdir=args.tmp,
-                              progress=not args.json, seeds=args.seeds, threads=args.threads)
+                              progress=True, seeds=args.seeds, threads=args.threads)
     elif args.name == "import":
         from captioning.bench.imports import run as run_import
 
@@ -89,7 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = run_scale(sizes, args.stages.split(",") if args.stages else None, extra_stages=PIPELINE_STAGES,
                                dim=args.feature_dim, max_boxes=min(36, args.max_boxes),
                                chunk_rows=args.chunk_rows, s3_max_images=args.s3_max_images, disk=not args.no_disk,
-                               repeats=args.repeats or 1, workdir=args.tmp, progress=not args.json)
+                               repeats=args.repeats or 1, workdir=args.tmp, progress=True)
         except ValueError as e:
             raise CLIError(str(e)) from None
     elif args.name == "serve":

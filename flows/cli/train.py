@@ -91,7 +91,7 @@ def _recipe(args: argparse.Namespace) -> int:
     if args.no_scst:
         args.overrides = [*args.overrides, "students.scst.enabled=false"]
     stage = "teacher" if is_teacher else f"student-{args.model}"
-    with stage_context(args, progress=not args.json, rerun=frozenset({stage} if args.retrain else ())) as rc:
+    with stage_context(args, progress=True, rerun=frozenset({stage} if args.retrain else ())) as rc:
         data = ingest(rc)
         try:
             feats = features_for(rc, data)
@@ -129,7 +129,7 @@ def _custom(args: argparse.Namespace) -> int:
     nproc = args.nproc or 1
     if args.torchrun_job:
         args.no_track = True  # the job is written here and trains elsewhere: nothing to record now
-    with stage_context(args, progress=not args.json) as rc:
+    with stage_context(args, progress=True) as rc:
         cfg = rc.cfg
         paths = _inputs(args, rc)
         captions = args.captions or "ground_truth"

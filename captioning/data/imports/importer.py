@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from captioning.data.imports.base import (
     ABSENT,
@@ -48,6 +47,7 @@ from captioning.data.imports.base import (
     Source,
 )
 from captioning.data.stores import OK, PENDING, REJECTED, FeatureStore, StoreError
+from captioning.progress import bar as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def import_source(source: Source, uri: str, *, image_ids: Sequence[int] | None =
         if not source.keyed:
             rows = np.arange(len(plan.ids))
             stream = source.stream(np.sort(plan.record[(plan.code == LOAD) & (rows >= first)]))
-        bar = tqdm(total=store.num_rows, initial=first, desc="importing", disable=not progress, unit="image")
+        bar = progress_bar(total=store.num_rows, initial=first, desc="importing", enabled=progress, unit="image")
         for start in range(first, store.num_rows, per_write):
             stop = min(start + per_write, store.num_rows)
             bar.update(stop - start)

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from PIL import Image
-from tqdm import tqdm
 
 from captioning.data.synthetic.captions import captions_for
 from captioning.data.synthetic.render import render_scene
@@ -25,6 +24,7 @@ from captioning.data.synthetic.scene import (
     scene_for,
 )
 from captioning.data.text import tokenize
+from captioning.progress import bar as progress_bar
 
 __all__ = ["COCOID_OFFSET", "IMAGE_SUBDIR", "JPEG_QUALITY", "RESTVAL_FRACTION", "generate_synthetic", "main"]
 
@@ -128,7 +128,7 @@ def generate_synthetic(
     started = time.perf_counter()
     entries: list[dict] = []
     sentid = 0
-    for i in tqdm(range(num_images), desc="synthetic images", disable=not progress, unit="img"):
+    for i in progress_bar(range(num_images), desc="synthetic images", enabled=progress, unit="img"):
         scene = scene_for(i, seed, min_size=min_size, max_size=max_size, max_objects=max_objects)
         split, ext = _split_and_format(seed, i, png_fraction, val_fraction, test_fraction)
         filename = f"synthetic_{i:06d}.{ext}"
