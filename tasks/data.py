@@ -113,9 +113,9 @@ def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path |
     files' sizes make pixel boxes relative; ``image_sizes_files`` (COCO-format JSON) add sizes. Raises
     :class:`captioning.data.imports.FeatureImportError` for a source that cannot be read or options that do not
     fit it."""
-    from captioning.data.imports import RuotianluoSource, import_source, imported_uri, read_image_sizes, resolve
+    from captioning.data.imports import RuotianluoSource, import_source, read_image_sizes, resolve
     from captioning.data.prepare import image_sizes
-    from captioning.features.naming import imported_store_uri
+    from captioning.features.naming import imported_store_uri, imported_uri
 
     cfg = rc.cfg
     spec = resolve(fmt, source, att=att_dir, box=box_dir, boxes=boxes, tsv_fields=tsv_fields)
@@ -139,7 +139,7 @@ def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path |
                 raise MissingStageError(f"no <image_id>.npy files in {spec.att}")
             uri = imported_store_uri(extract_plan(cfg), spec.att, spec.box, name_ids)
         else:
-            uri = imported_uri(cfg.feature_store_uri(), spec, ids, {k: getattr(f, k) for k in (
+            uri = imported_uri(cfg.feature_store_uri(), spec.ident(), ids, {k: getattr(f, k) for k in (
                 "max_boxes", "feature_dim", "chunk_rows", "dtype", "compressor")})
     src = spec.open(max_boxes=f.max_boxes, feature_dim=f.feature_dim)
     attrs = ({"att_dir": str(spec.att), "box_dir": str(spec.box)} if isinstance(src, RuotianluoSource) else {})

@@ -152,7 +152,7 @@ def same_features(a: FeaturesConfig, b: FeaturesConfig) -> bool:
     if a.source != b.source:
         return False
     if a.source == "detector":
-        from captioning.features.parallel import store_key
+        from captioning.features.naming import store_key
 
         try:
             return store_key(a) == store_key(b)

@@ -192,7 +192,7 @@ def test_the_data_stages_do_not_import_torch():
 #: store naming, and the benchmarks (scripts that build their own configs)
 CONFIG_READERS = ("captioning/config.py", "captioning/training/recipe.py", "captioning/data/plans.py",
                   "captioning/workdir.py", "captioning/bench/")
-CONFIG_NAMING = {("captioning/features/parallel.py", "store_uri")}
+CONFIG_NAMING = {("captioning/features/naming.py", "store_uri")}
 
 
 def test_library_stage_functions_take_plans_not_the_pipeline_config():

@@ -305,9 +305,10 @@ def run_gpu(images: int = 1080, preset: str = "coco", overrides: tuple[str, ...]
     import torch
 
     from captioning.data.stores import FeatureStore
-    from captioning.features.extractor import RegionExtractor, effective_config
+    from captioning.features.extractor import RegionExtractor
     from captioning.features.images import load_rgb
     from captioning.features.parallel import extract_features
+    from captioning.features.settings import effective_config
 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-extract-gpu-") as tmp:
         root = Path(tmp)

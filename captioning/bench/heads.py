@@ -38,6 +38,7 @@ def run(images: int = 2, proposals: int = 100, min_size: int = 600, max_size: in
     from captioning.bench.machine import machine_info
     from captioning.config import ExtractorConfig
     from captioning.features.extractor import make_extractor
+    from captioning.features.registry import FLAVOURS, STOCK
 
     before = torch.get_num_threads()
     if threads:
@@ -47,7 +48,8 @@ def run(images: int = 2, proposals: int = 100, min_size: int = 600, max_size: in
         shape = (min_size * 3 // 4 * 4 // 3, int(min_size * 4 / 3))  # a COCO-like 4:3 image at the input size
         ims = [rng.integers(0, 256, (*shape, 3), dtype=np.uint8) for _ in range(images)]
         rows, head_ms = [], {}
-        for flavour in ("stock", "airsplay", "milvlg"):
+        for fl in FLAVOURS.values():  # the stock model first: the anchor
+            flavour = fl.name
             cfg = ExtractorConfig(flavour=flavour, device=device, min_size=min_size, max_size=max_size,
                                   proposals=proposals, seed=seed)
             ex = make_extractor(cfg, min_boxes=1, max_boxes=max(proposals, 1))
@@ -60,7 +62,7 @@ def run(images: int = 2, proposals: int = 100, min_size: int = 600, max_size: in
                     boxes = torch.from_numpy(_boxes(proposals, h, w, seed)).to(dev)
                     _sync(dev)
                     t0 = time.perf_counter()
-                    if flavour == "stock":
+                    if fl.is_stock:
                         _, feats = ex._backbone([p.tensor])
                         _sync(dev)
                         t1 = time.perf_counter()
@@ -78,7 +80,7 @@ def run(images: int = 2, proposals: int = 100, min_size: int = 600, max_size: in
                         backbone.append(t1 - t0)
                         head.append(t2 - t1)
                 end_to_end = None
-                if flavour != "stock":
+                if not fl.is_stock:
                     ex(ims[:1])  # warm
                     t0 = time.perf_counter()
                     ex(ims)
@@ -94,7 +96,8 @@ def run(images: int = 2, proposals: int = 100, min_size: int = 600, max_size: in
             "params": {"images": images, "proposals": proposals, "min_size": min_size, "max_size": max_size,
                        "device": device, "weights": "random", "seed": seed},
             "rows": rows,
-            "ratios": {f"{f}_head_vs_stock": head_ms[f] / head_ms["stock"] for f in ("airsplay", "milvlg")},
+            "ratios": {f"{f}_head_vs_stock": head_ms[f] / head_ms[STOCK.name]
+                       for f, fl in FLAVOURS.items() if not fl.is_stock},
         }
     finally:
         torch.set_num_threads(before)

@@ -1,5 +1,6 @@
-"""``RegionExtractor`` for the bottom-up flavours: the same streaming, batching and store interface, with the
-model and the per-image stages of :mod:`captioning.features.bottom_up`.
+"""The extractor of the bottom-up flavours (``airsplay``, ``milvlg``): the same streaming, batching and store
+interface as the stock ``RegionExtractor`` (:class:`captioning.features.engine.ExtractorEngine`), with the model
+of :mod:`captioning.features.bottom_up_model` and the per-image stages of :mod:`captioning.features.bottom_up`.
 
 Images are batched only with images of the same input shape (the references run one image at a time and pad
 nothing), the backbone runs on the batch, and every later stage runs image by image, so an image's numbers never
@@ -15,26 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from captioning.features.bottom_up import (
-    BottomUpDetector,
-    BottomUpStages,
-    caffe_preprocess,
-    caffe_scale,
-    default_layout,
-    deviations,
-    load_state,
-    random_init,
-    recognise_layout,
-    resolved_options,
-)
-from captioning.features.extractor import (
-    _PRE_NMS_FLOOR,
-    ExtractionError,
-    Prepared,
-    RegionExtractor,
-    Regions,
-    resized_rgb,
-)
+from captioning.features.base import PRE_NMS_FLOOR, ExtractionError, Prepared, Regions, Result, resized_rgb
+from captioning.features.bottom_up import BottomUpStages, caffe_preprocess, caffe_scale
+from captioning.features.bottom_up_layout import default_layout, recognise_layout
+from captioning.features.bottom_up_model import BottomUpDetector, load_state, random_init
+from captioning.features.bottom_up_options import REFERENCE, deviations, resolved_options
+from captioning.features.engine import ExtractorEngine
+from captioning.features.registry import register
 
 STOCK_CONFIG = "COCO-Detection/faster_rcnn_R_101_C4_3x.yaml"
 RPN_NMS = 0.7  # both ports
@@ -44,10 +32,11 @@ RPN_NMS = 0.7  # both ports
 class _Ready:
     """A batch's finished results (selection already done)."""
 
-    results: list[tuple[Any, Regions | Exception]]
+    results: list[Result]
 
 
-class BottomUpExtractor(RegionExtractor):
+@register(*REFERENCE)
+class BottomUpExtractor(ExtractorEngine):
     """The Visual Genome bottom-up detector as the ``airsplay`` or ``milvlg`` port computes it."""
 
     def _setup(self, checkpoint: dict[str, Any] | None) -> None:
@@ -80,7 +69,7 @@ class BottomUpExtractor(RegionExtractor):
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
-        self.stages = BottomUpStages(model, self.opts, pre_nms=max(_PRE_NMS_FLOOR, c.proposals),
+        self.stages = BottomUpStages(model, self.opts, pre_nms=max(PRE_NMS_FLOOR, c.proposals),
                                      post_nms=c.proposals, rpn_nms=RPN_NMS)
         self.detectron2_cfg = None
         self.num_classes = self.layout.num_classes
@@ -130,7 +119,7 @@ class BottomUpExtractor(RegionExtractor):
             x = x.contiguous(memory_format=torch.channels_last)
         res4 = self.stages.backbone(x)
         self._mark("backbone")
-        out: list[tuple[Any, Regions | Exception]] = []
+        out: list[Result] = []
         for j, p in enumerate(batch):
             r4 = res4[j : j + 1]
             im_scale = float(p.shape[0]) / float(p.image_size[0])
@@ -144,7 +133,7 @@ class BottomUpExtractor(RegionExtractor):
             out.append((p.key, self._regions(j, p, pooled, cls_prob, attr_prob, boxes_px)))
         return _Ready(out)
 
-    def _finished(self, d) -> list[tuple[Any, Regions | Exception]]:
+    def _finished(self, d) -> list[Result]:
         return d.results if isinstance(d, _Ready) else [d]
 
     def _regions(self, j: int, p: Prepared, pooled, cls_prob, attr_prob, boxes_px) -> Regions | Exception:

@@ -6,17 +6,16 @@ is ``ok`` only once its data is stored. Tasks run on Dask (a LocalCluster on 127
 scheduler at ``features.dask_address``) with one model per worker process, built once and reused for every
 chunk that worker runs.
 
-Identity: the store's folder name is a digest of everything that changes the numbers (extractor settings,
-weights, box limits, dtype, chunking), so new settings or weights make a new store, while the same settings
+Identity: the store's folder name is a digest of everything that changes the numbers
+(:mod:`captioning.features.naming`), so new settings or weights make a new store, while the same settings
 resume or extend the existing one: finished chunks are skipped, new dataset images are appended as new rows,
-existing rows are never rewritten.
+existing rows are never rewritten. The automatic extractor settings are resolved once per extraction, here, and
+the resolved settings name the store and travel to the workers.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
 import time
@@ -28,60 +27,29 @@ from typing import Any
 
 import numpy as np
 
-from captioning.config import ExtractorConfig, FeaturesConfig, PipelineConfig
+from captioning.config import ExtractorConfig, FeaturesConfig
 from captioning.data.karpathy import Dataset
-from captioning.data.plans import ExtractPlan, extract_plan
+from captioning.data.plans import ExtractPlan
 from captioning.data.stores import EXTRAS, OK, PENDING, REJECTED, FeatureStore, StoreError
-from captioning.features.weights import weights_identity
+from captioning.features.bottom_up_layout import default_layout, recognise_layout
+from captioning.features.bottom_up_options import deviations, resolved_options
+from captioning.features.naming import (  # noqa: F401 - imported_store_uri: still importable from its old home
+    imported_store_uri,
+    store_key,
+    store_uri,
+    weights_identity,
+)
+from captioning.features.registry import flavour
+from captioning.features.settings import effective_config
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = 1  # bump when the extraction code changes its numbers
-
 
 # ---------------------------------------------------------------------- identity
-def store_key(f: FeaturesConfig) -> str:
-    from captioning.features.extractor import effective_config
-
-    ex = effective_config(f.extractor).model_dump(mode="json")
-    ex.pop("device")  # where it runs does not name the store (recorded in its attributes instead)
-    ex.pop("weights_sha256")
-    ex.pop("decode_threads")  # overlap only, never the numbers
-    ex.pop("decode_processes")
-    ex.pop("channels_last")  # float rounding only, as the device (cuDNN picks kernels by layout and batch anyway)
-    ex.pop("selection_on_device")  # where the (exact) selection scan runs
-    ex["threads"] = ex.pop("torch_threads")  # its name before the rename: existing stores keep their names
-    # settings added later are named only when they change the numbers, so existing stores keep their names
-    if ex["batching"] == "exact":
-        ex.pop("batching")
-    if not ex["amp"] or ex["amp_dtype"] == "float16":
-        ex.pop("amp_dtype")
-    if ex.pop("flavour") != "stock":  # bottom-up flavours: named by the flavour and its deviations only
-        from captioning.features.bottom_up import deviations
-
-        ex["flavour"] = f.extractor.flavour
-        ex["bottom_up"] = deviations(f.extractor.flavour, f.extractor.bottom_up)
-    else:
-        ex.pop("bottom_up")
-    ex["weights"] = weights_identity(f.extractor)
-    ident = {
-        "format": STORE_FORMAT,
-        "extractor": ex,
-        "min_boxes": f.min_boxes,
-        "max_boxes": f.max_boxes,
-        "feature_dim": f.feature_dim,
-        "dtype": f.dtype,
-        "chunk_rows": f.chunk_rows,
-        "compressor": f.compressor,
-    }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def checkpoint_layout(ex: ExtractorConfig) -> dict[str, Any]:
     """The bottom-up layout of the configured weights, as recognised from the file (checked before any worker
     starts, so a wrong file fails the run at once); the released layout for random weights."""
-    from captioning.features.bottom_up import default_layout, recognise_layout
-    from captioning.features.weights import read_checkpoint, resolve, weights_cache_dir
+    from captioning.features.weights import read_checkpoint, resolve, weights_cache_dir  # torch: bottom-up only
 
     if ex.weights is None:
         return {**default_layout(ex.flavour).describe(), "random_init": True}
@@ -93,36 +61,7 @@ def store_extras(f: FeaturesConfig) -> tuple[str, ...]:
     """The optional per-region arrays a store of these settings holds: boxes in original pixels, object and
     attribute ids and confidences for the bottom-up flavours (attributes stay empty, -1, when the checkpoint
     has no attribute head); none for the stock flavour."""
-    if f.extractor.flavour == "stock":
-        return ()
-    if f.extractor.bottom_up.attributes is False:
-        return ("boxes_px",)
-    return ("object_id", "object_conf", "attr_id", "attr_conf", "boxes_px")
-
-
-def store_uri(plan: ExtractPlan | PipelineConfig) -> str:
-    """Where the configured feature store lives: named by everything that determines its content (the store naming
-    of every command and job: from an :class:`ExtractPlan`, or the config it is built from)."""
-    if isinstance(plan, PipelineConfig):
-        plan = extract_plan(plan)
-    base = plan.store_folder.rstrip("/")
-    f = plan.features
-    if f.source == "synthetic-informative":
-        ident = json.dumps({"synthetic": plan.synthetic.model_dump(mode="json"), "seed": plan.seed,
-                            **{k: getattr(f, k) for k in ("feature_dim", "max_boxes", "chunk_rows", "dtype",
-                                                           "compressor")}}, sort_keys=True)
-        return f"{base}/informative-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
-    return f"{base}/{store_key(f)}.zarr"
-
-
-def imported_store_uri(plan: ExtractPlan, att_dir: str | Path, box_dir: str | Path, image_ids: list[int]) -> str:
-    """Where ``capflow import-features`` puts a store imported from per-image ``.npy`` folders: in the same
-    feature-store folder as extracted stores, named by its sources, image ids and layout settings."""
-    f = plan.features
-    ident = json.dumps({"att": str(Path(att_dir).resolve()), "box": str(Path(box_dir).resolve()), "ids": image_ids,
-                        **{k: getattr(f, k) for k in ("max_boxes", "feature_dim", "chunk_rows", "dtype",
-                                                      "compressor")}}, sort_keys=True)
-    return f"{plan.store_folder.rstrip('/')}/imported-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
+    return flavour(f.extractor.flavour).store_extras(f.extractor.bottom_up)
 
 
 # ---------------------------------------------------------------------- chunk work (runs on workers)
@@ -329,14 +268,15 @@ def extract_chunks(
 
 
 # ---------------------------------------------------------------------- planning
-def prepare_store(plan: ExtractPlan, ds: Dataset, uri: str | None = None, describe: dict | None = None
-                  ) -> tuple[FeatureStore, int]:
+def prepare_store(plan: ExtractPlan, ds: Dataset, uri: str | None = None, describe: dict | None = None,
+                  settings: ExtractorConfig | None = None) -> tuple[FeatureStore, int]:
     """Open the store for these settings, appending rows for new dataset images; or create it.
 
     Returns the store and how many rows were added. Rows are in dataset order (sorted by image id) for a new
-    store; appended images follow in the same order.
+    store; appended images follow in the same order. ``settings``: the plan's extractor settings resolved already
+    (:func:`captioning.features.settings.effective_config`), when the caller has them.
     """
-    uri = uri or store_uri(plan)
+    uri = uri or store_uri(plan, settings)
     f = plan.features
     ids = [e.image_id for e in ds.images]
     if FeatureStore.exists(uri):
@@ -349,7 +289,7 @@ def prepare_store(plan: ExtractPlan, ds: Dataset, uri: str | None = None, descri
             log.info("feature store %s: %d new images appended", uri, len(new))
         return store, len(new)
     attrs = {
-        "store_key": store_key(f),
+        "store_key": store_key(f, settings),
         "extractor": f.extractor.model_dump(mode="json"),
         "weights_identity": weights_identity(f.extractor),
         "random_weights": f.extractor.weights is None,
@@ -360,9 +300,7 @@ def prepare_store(plan: ExtractPlan, ds: Dataset, uri: str | None = None, descri
     if f.extractor.weights is None:
         attrs["warning"] = ("features extracted with RANDOM detector weights (no features.extractor.weights): "
                             "fine for tests and the demo's plumbing, meaningless for real captioning")
-    if f.extractor.flavour != "stock":
-        from captioning.features.bottom_up import deviations, resolved_options
-
+    if not flavour(f.extractor.flavour).is_stock:
         attrs["bottom_up"] = {"flavour": f.extractor.flavour,
                               "options": resolved_options(f.extractor.flavour, f.extractor.bottom_up),
                               "deviations": deviations(f.extractor.flavour, f.extractor.bottom_up),
@@ -458,7 +396,7 @@ def local_cluster(workers: int, threads_per_worker: int = 1, gpus: int | None = 
         workers = min(workers, gpus)
         kw["resources"] = {"GPU": 1}
     # distributed sets MALLOC_TRIM_THRESHOLD_ in workers, which turns off glibc's adaptive mmap threshold: every
-    # large torch tensor then costs an mmap/munmap and page faults (measured: CPU extraction ~30% slower).
+    # large torch tensor then costs an mmap/munmap and page faults (CPU extraction measured slower).
     settings: dict[str, Any] = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
     if gpus:  # a GPU worker starts its own decode processes (RegionExtractor's decode_processes): not daemonic
         settings["distributed.worker.daemon"] = False
@@ -502,20 +440,18 @@ def extract_features(
     on_chunk: Callable[[ChunkResult], None] | None = None,
 ) -> ExtractResult:
     """Extract every pending chunk of the store for ``plan``/``ds``. ``workers=0`` runs in this process."""
-    from tqdm.auto import tqdm
+    from captioning.progress import bar as progress_bar
 
     t0 = time.perf_counter()
-    store, appended = prepare_store(plan, ds, uri)
+    f = plan.features
+    # automatic settings are resolved here, once: they name the store and travel to the workers as they are
+    ex = effective_config(f.extractor)
+    store, appended = prepare_store(plan, ds, uri, settings=ex)
     # resume: finished chunks whose values fail their checksums (or cannot be read) are marked pending and redone
     check = store.verify(repair=True)
     for fault in check.faults:
         log.warning("feature store %s: %s: extracting it again", store.uri, fault)
     todo = plan_chunks(store, ds)
-    f = plan.features
-    # automatic settings are resolved here, where the store is named, not on each worker
-    from captioning.features.extractor import effective_config
-
-    ex = effective_config(f.extractor)
     # every local path a chunk task reads is absolute: a worker of an external cluster has its own working directory
     ex = ex.model_copy(update={"weights": _absolute(ex.weights)}) if ex.weights else ex
     ex_json = ex.model_dump_json()
@@ -534,7 +470,7 @@ def extract_features(
     uri = _absolute(store.uri)
     skipped = store.num_chunks - len(todo)
     extracted = 0
-    bar = tqdm(total=sum(len(items) for _, items in todo), desc="extracting", unit="img", disable=not progress)
+    bar = progress_bar(total=sum(len(items) for _, items in todo), desc="extracting", unit="img", enabled=progress)
 
     def done(r: ChunkResult) -> None:
         nonlocal extracted

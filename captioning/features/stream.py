@@ -1,7 +1,8 @@
 """The extractor's image stream: decoding ahead of the model, batching, and the device lanes.
 
-:class:`ExtractionStream` runs one pass of :meth:`captioning.features.extractor.RegionExtractor.stream` over
-``(key, load)`` items. Three parts, each a few methods:
+:class:`ExtractionStream` runs one pass of an extractor's ``stream``
+(:meth:`captioning.features.engine.ExtractorEngine.stream`; typed against the protocol
+:class:`captioning.features.base.Extractor`) over ``(key, load)`` items. Three parts, each a few methods:
 
 - **loading**: ``threads`` decode/resize threads run ahead of the model - or, with the extractor's
   ``decode_processes`` and picklable ``load`` callables, that many spawned processes (:func:`load_resized`), which
@@ -23,28 +24,24 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from captioning.features.extractor import Prepared, RegionExtractor, Regions
+from captioning.features.base import Extractor, Prepared, Result, check_images, resized_rgb
 
 log = logging.getLogger("captioning.features.extractor")
 
 DEVICE_THREADS = 2  # batches in flight on one CUDA device (each thread its own stream)
-Result = tuple[Any, "Regions | Exception"]
 
 
 def load_resized(load: Callable[[], np.ndarray], min_size: int, max_size: int):
     """A loader process's work for one image: ``load()`` then the resize. Returns (resized array, original
     (H, W)), or the exception raised on the way (returned, not raised: it is the image's result)."""
-    from captioning.features.extractor import RegionExtractor, resized_rgb
-
     try:
         image = load()
-        RegionExtractor._check_images([image])
+        check_images([image])
         return resized_rgb(image, min_size, max_size), (int(image.shape[0]), int(image.shape[1]))
     except Exception as e:
         try:
@@ -65,7 +62,7 @@ def picklable(obj: Any) -> bool:
 class ExtractionStream:
     """One pass over a stream of images through ``extractor`` (see the module docstring)."""
 
-    def __init__(self, extractor: RegionExtractor, threads: int, window: int):
+    def __init__(self, extractor: Extractor, threads: int, window: int):
         self.ex = extractor
         self.threads = threads
         self.window = window

@@ -1,5 +1,6 @@
-"""Detector weights: where a weights URI resolves to (downloaded once, sha256-checked), how a checkpoint file is
-read without running anything from it, and what identifies the weights (the name part of a feature store).
+"""Detector weights: where a weights URI resolves to (downloaded once, sha256-checked), and how a checkpoint file is
+read without running anything from it (what identifies the weights in a store's name:
+:func:`captioning.features.naming.weights_identity`).
 
 ``.pth``/``.pt`` files are read with ``torch.load(weights_only=True)`` (a raw state dict, or a dict holding it
 under ``model`` / ``state_dict``). ``.pkl`` files (detectron2 model-zoo or Caffe2-converted format) are read by
@@ -15,14 +16,11 @@ import os
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from captioning.util import sha256_file
-
-if TYPE_CHECKING:
-    from captioning.config import ExtractorConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +120,3 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
         raise ValueError(f"detector weights {path}: no state dict found (got {type(obj).__name__})")
     return {"model": OrderedDict(obj), "__author__": "capflow"}
-
-
-
-
-def weights_identity(ex: ExtractorConfig) -> str:
-    """What identifies the detector weights: the file's sha256 (given or computed), or the random-init seed."""
-    if ex.weights is None:
-        return f"random-init:{ex.seed}:{ex.model_config_file}"
-    if ex.weights_sha256:
-        return ex.weights_sha256.lower()
-    if "://" not in ex.weights:
-        return sha256_file(Path(ex.weights).expanduser())
-    return f"uri:{ex.weights}"  # remote without a pinned hash: the URI is the best identity we have

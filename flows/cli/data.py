@@ -16,7 +16,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from captioning.data.karpathy import Dataset
     from tasks.data import ingest
 
-    with stage_context(args, progress=not args.json) as rc:
+    with stage_context(args, progress=True) as rc:
         ref = ingest(rc)
     ds = Dataset.load(ref.path)
     summary = ds.summary()
@@ -39,7 +39,7 @@ def cmd_vocab(args: argparse.Namespace) -> int:
     from captioning.data.text import Vocabulary
     from tasks.data import MissingStageError, features_for, features_of_store, ingest, vocab
 
-    with stage_context(args, progress=not args.json) as rc:
+    with stage_context(args, progress=True) as rc:
         data = ingest(rc)
         if args.features:
             feats = features_of_store(args.features)
@@ -89,7 +89,7 @@ def cmd_import_features(args: argparse.Namespace) -> int:
             if d is not None and not d.exists():
                 raise CLIError(f"{d} is not a folder")
     try:
-        with stage_context(args, progress=not args.json) as rc:
+        with stage_context(args, progress=True) as rc:
             ref = import_features(rc, att, box, source=source, fmt=args.format, boxes=args.boxes,
                                   tsv_fields=args.tsv_fields.split(",") if args.tsv_fields else None,
                                   image_sizes_files=[Path(p) for p in args.image_sizes or ()], uri=args.out,
@@ -116,10 +116,10 @@ def cmd_import_features(args: argparse.Namespace) -> int:
 
 def cmd_extract(args: argparse.Namespace) -> int:
     from captioning.data.stores import FeatureStore
-    from captioning.features.parallel import store_uri
+    from captioning.features.naming import store_uri
     from tasks.data import extract, ingest
 
-    with stage_context(args, progress=not args.json) as rc:
+    with stage_context(args, progress=True) as rc:
         data = ingest(rc)
         uri = args.out or store_uri(rc.cfg)
         if not args.resume:

@@ -34,14 +34,15 @@ def test_extracted_store_names_are_pinned(name, overrides):
 
 
 def test_imported_store_names_are_pinned():
-    from captioning.data.imports import ImportSpec, imported_uri
+    from captioning.data.imports import ImportSpec
+    from captioning.features.naming import imported_uri
     from captioning.features.parallel import imported_store_uri
 
     cfg = load_config("tiny", overrides=["run.workdir=/w"])
     assert Path(imported_store_uri(extract_plan(cfg), "/a/att", "/a/box", [1, 2, 3])).name == \
         "imported-d3804c7ddd8362f7.zarr"
     spec = ImportSpec(format="butd-tsv", path=Path("/a/f.tsv"))
-    assert imported_uri("/w/features", spec, [1, 2, 3], {"max_boxes": 36}).rsplit("/", 1)[1] == \
+    assert imported_uri("/w/features", spec.ident(), [1, 2, 3], {"max_boxes": 36}).rsplit("/", 1)[1] == \
         "imported-0ceab2447017c25d.zarr"
 
 

@@ -11,23 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from captioning.config import BottomUpOptions, ExtractorConfig
-from captioning.features.bottom_up import (
-    REFERENCE,
-    BottomUpDetector,
-    BottomUpStages,
+from captioning.features.bottom_up import BottomUpStages, caffe_scale, iou_plus_one, nms_plus_one, select_kept
+from captioning.features.bottom_up_layout import (
     LayoutError,
-    _CaffeStem,
     caffe_anchors,
-    caffe_scale,
     default_layout,
     detectron2_cell_anchors,
-    iou_plus_one,
-    load_state,
-    nms_plus_one,
     recognise_layout,
-    resolved_options,
-    select_kept,
 )
+from captioning.features.bottom_up_model import BottomUpDetector, _CaffeStem, load_state
+from captioning.features.bottom_up_options import REFERENCE, resolved_options
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,9 +11,9 @@ Formats (:data:`FORMATS`, one module each):
 
 The package: :mod:`.base` (the :class:`Source` interface, :class:`Regions`, :class:`Scan`, :class:`Rejected` - a
 record's rejection with its kind - :class:`FeatureImportError`, the kinds, the folder scan two sources share), one
-module per format, :mod:`.registry` (:data:`FORMATS`, :class:`ImportSpec`, :func:`imported_uri`), :mod:`.detect`
-(:func:`resolve`: ``--format auto``) and :mod:`.importer` (the two-pass :func:`import_source`, the row plan, the
-checks every record passes, :func:`read_image_sizes`).
+module per format, :mod:`.registry` (:data:`FORMATS`, :class:`ImportSpec`), :mod:`.detect` (:func:`resolve`:
+``--format auto``) and :mod:`.importer` (the two-pass :func:`import_source`, the row plan, the checks every record
+passes, :func:`read_image_sizes`). The imported store's name: :func:`captioning.features.naming.imported_uri`.
 
 Pickles are never loaded: ``.npy``/``.npz`` files and LMDB values are read with ``allow_pickle=False`` (an LMDB
 value that is not a ``.npy``/``.npz`` is a rejected row; lmdbdict's ``__...__`` entries are skipped), and MILVLG's
@@ -47,7 +47,7 @@ from captioning.data.imports.detect import resolve
 from captioning.data.imports.importer import REASON, ImportResult, import_source, read_image_sizes
 from captioning.data.imports.m2_hdf5 import M2HDF5Source
 from captioning.data.imports.milvlg import MilvlgSource
-from captioning.data.imports.registry import FORMATS, Format, ImportSpec, imported_uri
+from captioning.data.imports.registry import FORMATS, Format, ImportSpec
 from captioning.data.imports.ruotianluo import RuotianluoSource
 
 __all__ = [
@@ -67,7 +67,6 @@ __all__ = [
     "Scan",
     "Source",
     "import_source",
-    "imported_uri",
     "read_image_sizes",
     "resolve",
 ]

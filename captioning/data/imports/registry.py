@@ -4,9 +4,7 @@ opens its source through it."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,13 +93,3 @@ class ImportSpec:
         if fmt is None:
             raise FeatureImportError(f"unknown format {self.format!r} (one of {', '.join(FORMATS)})")
         return fmt.opener(self, max_boxes, feature_dim)
-
-
-def imported_uri(feature_store_uri: str, spec: ImportSpec, image_ids: Sequence[int] | None,
-                 settings: Mapping[str, Any]) -> str:
-    """Where ``capflow import-features`` puts a store imported from ``spec`` (non-npy formats; the npy layout keeps
-    :func:`captioning.features.parallel.imported_store_uri`): named by the source, the dataset's image ids and
-    the layout settings."""
-    ident = json.dumps({**spec.ident(), "ids": list(map(int, image_ids)) if image_ids is not None else None,
-                        **dict(settings)}, sort_keys=True)
-    return f"{feature_store_uri.rstrip('/')}/imported-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.zarr"
