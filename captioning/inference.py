@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,11 +281,19 @@ class ImageCaptioner:
                        precision=self.precision)
         return [caps[i] for i in range(n)]
 
-    def caption(self, files: Iterable[str | Path], progress: bool | None = None) -> CaptionResult:
-        """Caption image files: ``captions`` = [{"file", "caption"}] for the usable ones, ``rejected`` =
-        [{"file", "error"}] for the others (both in input order; ``file`` as given)."""
-        paths = [str(p) for p in files]
+    def decode(self, path: str | Path) -> np.ndarray:
+        """One image file decoded as the detector reads it (RGB uint8), within the model's image limits;
+        :class:`ImageRejected` otherwise. The model server decodes before it takes the model."""
         ex = self.features.extractor
+        return load_rgb(path, min_side=ex.min_image_side, max_pixels=ex.max_image_pixels)
+
+    def caption(self, files: Iterable[str | Path], progress: bool | None = None,
+                decoded: Mapping[int, np.ndarray | str] | None = None) -> CaptionResult:
+        """Caption image files: ``captions`` = [{"file", "caption"}] for the usable ones, ``rejected`` =
+        [{"file", "error"}] for the others (both in input order; ``file`` as given). ``decoded``: images already
+        decoded by :meth:`decode` (or the reason they were rejected), by position."""
+        paths = [str(p) for p in files]
+        decoded = decoded or {}
         done: dict[int, str] = {}
         failed: dict[int, str] = {}
         show = self.progress if progress is None else progress
@@ -296,7 +304,10 @@ class ImageCaptioner:
                 images: list[np.ndarray] = []
                 for i in idx:
                     try:
-                        images.append(load_rgb(paths[i], min_side=ex.min_image_side, max_pixels=ex.max_image_pixels))
+                        got = decoded[i] if i in decoded else self.decode(paths[i])
+                        if isinstance(got, str):
+                            raise ImageRejected(got)
+                        images.append(got)
                         good.append(i)
                     except ImageRejected as e:
                         failed[i] = e.reason

@@ -15,6 +15,12 @@ small or too large, too few regions) is refused as a whole with the row and the 
 ``INVALID_PARAMETER_VALUE`` error, which the scoring server answers with HTTP 400.
 
 Environment: ``CAPFLOW_DEVICE`` (default ``auto``) and ``CAPFLOW_BATCH_SIZE`` (default 8) when the model loads.
+
+Cost bounds: an image's decoded size is read from its header before any pixel is decoded and must stay within
+``CAPFLOW_MAX_DECODED_BYTES`` (default 320 MiB; its mode's bytes per pixel count: a float image costs four times a
+grey one), a request's images together within ``CAPFLOW_MAX_REQUEST_DECODED_BYTES`` (default 1 GiB); images are
+decoded in the request's own thread before the model is taken, so one request's decoding never holds up another's
+captioning.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from mlflow.pyfunc import PythonModel
 IMAGE_COLUMN = "image"
 CAPTION_COLUMN = "caption"
 MAX_IMAGE_BYTES = 20 * 2**20  # per image, before decoding (decoded size: features.extractor.max_image_pixels)
+MAX_DECODED_BYTES = 320 * 2**20  # per image once decoded, its mode counted (an RGB image of 1e8 pixels fits)
+MAX_REQUEST_DECODED_BYTES = 1024 * 2**20  # all images of one request once decoded
 MAX_IMAGES = 64  # per request
 MAX_BEAM = 16
 
@@ -99,6 +107,8 @@ class CaptionerModel(PythonModel):
         self.captioner = ImageCaptioner(context.artifacts["model"], device=os.environ.get("CAPFLOW_DEVICE", "auto"),
                                         batch_size=int(os.environ.get("CAPFLOW_BATCH_SIZE", "8")), progress=False)
         self.lock = threading.Lock()  # beam / max_words are set on the shared captioner for one call
+        self.max_decoded = int(os.environ.get("CAPFLOW_MAX_DECODED_BYTES", MAX_DECODED_BYTES))
+        self.max_request_decoded = int(os.environ.get("CAPFLOW_MAX_REQUEST_DECODED_BYTES", MAX_REQUEST_DECODED_BYTES))
 
     def predict(self, context, model_input, params=None):
         import pandas as pd
@@ -116,11 +126,12 @@ class CaptionerModel(PythonModel):
                 path = Path(tmp) / f"{i:03d}.img"
                 path.write_bytes(data)
                 files.append(path)
+            decoded = self._decoded(files)  # outside the lock: other requests caption meanwhile
             with self.lock:
                 saved = cap.beam, cap.max_tokens
                 cap.beam, cap.max_tokens = beam, self._max_tokens(cap.model, max_words, cap.vocab.radix())
                 try:
-                    res = cap.caption(files, progress=False)
+                    res = cap.caption(files, progress=False, decoded=decoded)
                 finally:
                     cap.beam, cap.max_tokens = saved
         if res.rejected:
@@ -129,6 +140,31 @@ class CaptionerModel(PythonModel):
                             .replace(Path(r["file"]).name, "the image") for r in res.rejected)
             raise _invalid(f"{len(res.rejected)} of {len(files)} images cannot be captioned: {why}")
         return pd.DataFrame({CAPTION_COLUMN: [c["caption"] for c in res.captions]})
+
+
+    def _decoded(self, files: list[Path]) -> dict[int, Any]:
+        """Each file decoded (or the reason it cannot be), after the budgets were checked on the headers."""
+        from captioning.features.images import ImageRejected, decoded_bytes
+
+        costs = []
+        for i, f in enumerate(files):
+            try:
+                costs.append(decoded_bytes(f))
+            except ImageRejected:
+                costs.append(0)  # decoding names the problem
+            if costs[-1] > self.max_decoded:
+                raise _invalid(f"row {i}: the image decodes to {costs[-1]:,} bytes (its size and mode), more than the "
+                               f"{self.max_decoded:,} accepted")
+        if sum(costs) > self.max_request_decoded:
+            raise _invalid(f"the request's images decode to {sum(costs):,} bytes, more than the "
+                           f"{self.max_request_decoded:,} one request may take: send fewer per request")
+        out: dict[int, Any] = {}
+        for i, f in enumerate(files):
+            try:
+                out[i] = self.captioner.decode(f)
+            except ImageRejected as e:
+                out[i] = e.reason
+        return out
 
 
 set_model(CaptionerModel())

@@ -152,3 +152,21 @@ def _over_white(rgba: np.ndarray) -> np.ndarray:
     a = rgba[:, :, 3:4].astype(np.uint32)
     out = (rgb * a + 255 * (255 - a) + 127) // 255
     return np.ascontiguousarray(out.astype(np.uint8))
+
+
+#: bytes per pixel of each supported mode once decoded (before the conversion to RGB)
+MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 2, "PA": 2, "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4,
+              "RGBa": 4, "RGBX": 4, "CMYK": 4, "La": 2, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2, "I": 4,
+              "F": 4}
+
+
+def decoded_bytes(path: str | Path) -> int:
+    """What decoding the image at ``path`` costs in memory: its pixels times its mode's bytes per pixel plus the
+    RGB copy, from the header alone (no pixel is decoded); :class:`ImageRejected` for a file that is not an image."""
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            per = MODE_BYTES.get(im.mode, 4)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageRejected(f"unreadable image header: {_describe_error(e)}") from None
+    return w * h * (per + (0 if im.mode == "RGB" else 3))

@@ -258,3 +258,30 @@ def test_a_model_whose_code_is_not_the_installed_library_is_not_served(registere
         assert "Traceback" not in err and sum("error:" in line for line in err.splitlines()) == 1
     finally:
         planted.write_bytes(original)
+
+
+def test_the_served_model_bounds_what_decoding_costs_before_it_decodes(registered, reference, images, monkeypatch):
+    """An image's decoded size (its mode counted: a float TIFF costs 4 bytes a pixel) and a request's total are
+    checked on the headers before any pixel is decoded - refused as bad input, not a 12 s, 3 GB decode - and the
+    images are decoded before the model is taken (the captions are unchanged)."""
+    import io
+
+    import mlflow.pyfunc
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+    from PIL import Image
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["uri"])
+    first = Image.open(images[0])
+    w, h = first.size
+    monkeypatch.setenv("CAPFLOW_MAX_DECODED_BYTES", str(w * h * 3 + 1))  # the first image (RGB) just fits
+    monkeypatch.setenv("CAPFLOW_MAX_REQUEST_DECODED_BYTES", str(2 * w * h * 3))
+    model = mlflow.pyfunc.load_model("models:/capflow-captioner@champion")
+    assert model.predict(pd.DataFrame({"image": [images[0].read_bytes()]}))["caption"].tolist() == \
+        reference["beam2"][:1]
+    buf = io.BytesIO()
+    Image.new("F", (w, h)).save(buf, format="TIFF", compression="tiff_deflate")  # as many pixels, 4 bytes each
+    with pytest.raises(MlflowException, match=rf"row 0: the image decodes to {w * h * 7:,} bytes"):
+        model.predict(pd.DataFrame({"image": [buf.getvalue()]}))
+    with pytest.raises(MlflowException, match="one request may take: send fewer per request"):
+        model.predict(pd.DataFrame({"image": [images[0].read_bytes()] * 3}))
