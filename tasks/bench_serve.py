@@ -25,19 +25,8 @@ from typing import Any
 import numpy as np
 
 from captioning.bench.machine import machine_info
-from tasks.mlflow_models import check_model_code
+from tasks.mlflow_models import check_model_code, local_model
 from tasks.model_server import mlflow_model_server
-
-
-def model_root(model_uri: str, dest: Path, env: dict[str, str] | None = None) -> Path:
-    """The MLflow Model ``model_uri`` as a local folder (a local path as is; a ``models:/`` or ``runs:/`` URI
-    downloaded into ``dest``)."""
-    if "://" not in model_uri and ":/" not in model_uri:
-        return Path(model_uri)
-    import mlflow.artifacts
-
-    uri = (env or {}).get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest), tracking_uri=uri))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -54,9 +43,10 @@ def run(model_uri: str, images: Sequence[Path], *, concurrency: Sequence[int] = 
     payloads = [base64.b64encode(Path(p).read_bytes()).decode() for p in images]
     params = {"beam": beam} if beam else {}
     with tempfile.TemporaryDirectory(prefix="capflow-bench-serve-", dir=workdir) as tmp:
-        code = None if trust_code else check_model_code(model_root(model_uri, Path(tmp) / "model", env))
+        root = local_model(model_uri, Path(tmp) / "model", (env or {}).get("MLFLOW_TRACKING_URI"))
+        code = None if trust_code else check_model_code(root)
         t0 = time.perf_counter()
-        with mlflow_model_server(model_uri, Path(tmp) / "serve.log", env=env, workers=workers) as server:
+        with mlflow_model_server(str(root), Path(tmp) / "serve.log", env=env, workers=workers) as server:
             startup = time.perf_counter() - t0
 
             def call(i: int) -> tuple[float, int, str | None]:

@@ -240,3 +240,31 @@ def capflow_folder(root: str | Path) -> Path | None:
         return None
     folder = (root / rel).resolve()
     return folder if folder.is_relative_to(root.resolve()) and folder.is_dir() else None
+
+
+def local_model(model_uri: str, dest: str | Path, tracking_uri: str | None = None) -> Path:
+    """An MLflow Model as a local folder: a local path as it is; a ``models:/`` or ``runs:/`` URI downloaded into
+    ``dest`` from the tracking and registry store ``tracking_uri`` (default: ``MLFLOW_TRACKING_URI``). MLflow's
+    download resolves ``models:/`` through the process's global URIs: they point at ``tracking_uri`` for the call and
+    are restored exactly."""
+    if ":/" not in model_uri:
+        return Path(model_uri).resolve()
+    import mlflow
+    import mlflow.artifacts
+    from mlflow.tracking._model_registry import utils as registry
+    from mlflow.tracking._tracking_service import utils as tracking
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    with _GLOBAL_URI:
+        before = tracking._tracking_uri, registry._registry_uri, os.environ.get("MLFLOW_TRACKING_URI")
+        if uri:
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_registry_uri(uri)
+        try:
+            return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest)))
+        finally:
+            tracking._tracking_uri, registry._registry_uri = before[0], before[1]
+            if before[2] is not None:
+                os.environ["MLFLOW_TRACKING_URI"] = before[2]
+            else:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)

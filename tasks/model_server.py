@@ -1,6 +1,7 @@
-"""MLflow's own scoring server for a capflow model (``mlflow models serve --env-manager local``) as a managed child
-process: bound to 127.0.0.1 on a free port, ready when ``/ping`` answers, stopped with its whole process group
-(the server forks uvicorn workers: none is left behind). Used by ``capflow bench serve`` and the serving tests."""
+"""MLflow's own scoring server for a capflow model, behind capflow's request limits (:mod:`tasks.serving_app`: the
+app ``mlflow models serve --env-manager local`` runs, wrapped), as a managed child process: bound to 127.0.0.1 on a
+free port, ready when ``/ping`` answers, stopped with its whole process group (uvicorn's workers: none is left
+behind). Used by ``capflow bench serve`` and the serving tests."""
 
 from __future__ import annotations
 
@@ -60,30 +61,39 @@ def _tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
+_ROOT = Path(__file__).resolve().parents[1]  # where uvicorn imports tasks.serving_app from
+
+
 @contextlib.contextmanager
 def mlflow_model_server(model_uri: str, log: Path, *, env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
                         port: int | None = None, timeout: float = 180.0, workers: int = 1) -> Iterator[ModelServer]:
-    """``mlflow models serve -m MODEL_URI --env-manager local`` in this Python environment; yields once it answers
-    ``/ping``. ``env`` is added to this process's environment (e.g. ``MLFLOW_TRACKING_URI`` for ``models:/``)."""
+    """The model ``model_uri`` (downloaded first when it is a ``models:/`` or ``runs:/`` URI) served by
+    ``uvicorn tasks.serving_app:app`` in this Python environment; yields once it answers ``/ping``. ``env`` is added
+    to this process's environment (e.g. ``MLFLOW_TRACKING_URI`` for ``models:/``)."""
+    from mlflow.pyfunc.scoring_server import _SERVER_MODEL_PATH
+
+    from tasks.mlflow_models import local_model
+
     port = port or free_port(host)
-    bindir = str(Path(sys.executable).parent)  # MLflow starts `uvicorn` from PATH: this environment's
-    full = {**os.environ, **(env or {}), "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    full = {**os.environ, **(env or {})}
     log.parent.mkdir(parents=True, exist_ok=True)
+    local = local_model(model_uri, log.parent / "model", full.get("MLFLOW_TRACKING_URI"))
+    full[_SERVER_MODEL_PATH] = str(local)
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
-                                 "local", "-h", host, "-p", str(port), "-w", str(workers)], env=full, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers",
+                                 str(workers), "tasks.serving_app:app"], env=full, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=_ROOT)
         try:
             url = f"http://{host}:{port}"
             deadline = time.monotonic() + timeout
             while True:
                 if proc.poll() is not None:
-                    raise ServerError(f"mlflow models serve exited with status {proc.returncode}:\n{_tail(log)}")
+                    raise ServerError(f"the model server exited with status {proc.returncode}:\n{_tail(log)}")
                 with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/ping", timeout=2) as r:
                     if r.status == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise ServerError(f"mlflow models serve did not answer /ping within {timeout:.0f}s:\n{_tail(log)}")
+                    raise ServerError(f"the model server did not answer /ping within {timeout:.0f}s:\n{_tail(log)}")
                 time.sleep(0.5)
             yield ModelServer(url=url, log=log, pid=proc.pid)
         finally:

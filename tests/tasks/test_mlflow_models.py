@@ -173,7 +173,8 @@ def _huge_png() -> bytes:
 
 @pytest.mark.integration
 def test_mlflow_models_serve_answers_captions_and_400_for_bad_input(registered, reference, images, tmp_path):
-    env = {"MLFLOW_TRACKING_URI": registered["uri"], "CAPFLOW_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {"MLFLOW_TRACKING_URI": registered["uri"], "CAPFLOW_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+           "CAPFLOW_MAX_REQUEST_BYTES": str(32 << 20)}
     with mlflow_model_server("models:/capflow-captioner@champion", tmp_path / "serve.log", env=env) as server:
         b64 = [base64.b64encode(p.read_bytes()).decode() for p in images]
         status, body = server.post({"dataframe_split": {"columns": ["image"], "data": [[b] for b in b64]}})
@@ -198,9 +199,47 @@ def test_mlflow_models_serve_answers_captions_and_400_for_bad_input(registered, 
         status, body = server.post({"dataframe_split": {"columns": ["image"], "data": [[b64[0]]]},
                                     "params": {"beam": 99}})
         assert status == 400 and "beam" in body["message"]
+        # request limits before MLflow parses anything: a body over CAPFLOW_MAX_REQUEST_BYTES (32 MB here) is 413
+        # without being read, a JSON nested 200,000 deep is 400 (MLflow's parser: a RecursionError and a 500)
+        status, body = _declare_body(server.url, 300 << 20)  # headers only: answered before a byte of the body is sent
+        assert status == 413 and "CAPFLOW_MAX_REQUEST_BYTES" in body["message"]
+        status, body = _post_raw(server.url, b"[" * 200_000 + b"]" * 200_000)
+        assert status == 400 and "nested too deeply" in body["message"]
         # the server is still there and answers after the bad requests
         status, body = server.post({"dataframe_split": {"columns": ["image"], "data": [[b64[1]]]}})
         assert status == 200 and body["predictions"] == [{"caption": reference["beam2"][1]}]
+
+
+def _declare_body(url: str, length: int) -> tuple[int, dict]:
+    """Send only the headers of a request declaring a ``length``-byte body; the server's answer."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(f"POST /invocations HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {length}\r\n\r\n".encode())
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < int(
+                raw.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0] if b"content-length: " in raw else 0):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    head, body = raw.split(b"\r\n\r\n", 1)
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def _post_raw(url: str, data: bytes) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/invocations", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 @pytest.mark.integration
