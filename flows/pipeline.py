@@ -134,6 +134,9 @@ def what_changed(summary: RunSummary) -> str:
     lines.append(f"- champion: {'changed to ' + str(p.candidate) if p.changed else 'unchanged'}"
                  f" (version {p.champion_version}; {p.reason})")
     lines += ["", markdown(summary.board), f"MLflow run `{summary.mlflow_run_id}` in {summary.tracking_uri}"]
+    if summary.board.rows:
+        lines.append("Trade-off report (CIDEr against size and latency, Pareto front, learning curves, sample "
+                     f"captions): `runs:/{summary.mlflow_run_id}/report/report.html`")
     return "\n".join(lines)
 
 

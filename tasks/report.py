@@ -4,6 +4,7 @@ champion scored on another test set is re-scored on this run's first)."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -271,6 +272,10 @@ def leaderboard(rc: RunContext, results: list[StudentResult | StudentFailure], d
         if i == 0:
             rc.tracker.tags(rc.parent_run, {"best_student": r.student})
     rc.tracker.metrics(rc.parent_run, {"students_failed": len(board.failed), "students_ok": len(board.rows)})
+    if board.rows:  # the trade-off report: kept in the workdir and logged beside the table
+        folder = rc.workdir.root / "report" / (rc.parent_run or "local")
+        tradeoff_report(results, data, folder)
+        rc.tracker.artifact(rc.parent_run, folder, "report")
     return board
 
 
@@ -311,3 +316,68 @@ def promote(rc: RunContext, board: Leaderboard, test_set: str, data: DatasetRef 
     rc.tracker.json_artifact(rc.parent_run, "promotion.json", decision.to_record())
     log.info("promotion: %s", decision)
     return decision
+
+
+# ---------------------------------------------------------------------- the trade-off report (figures, HTML)
+def _points(results: list[StudentResult]) -> list[Any]:
+    from captioning.tradeoff import ModelPoint
+
+    points = []
+    for r in results:
+        curves = {k: [h.get("CIDEr") for h in (r.training.get(k) or {}).get("history") or [] if h.get("CIDEr")
+                      is not None] for k in ("xe", "scst")}
+        try:
+            preds = json.loads(Path(r.predictions).read_text(encoding="utf-8"))
+            captions = {int(p["image_id"]): str(p["caption"]) for p in preds}
+        except (OSError, ValueError, KeyError, TypeError):
+            captions = {}
+        points.append(ModelPoint(name=r.label or r.student, preset=r.preset, cider=r.metrics.get("CIDEr") or 0.0,
+                                 params=r.params, latency_ms=r.latency_ms, curves=curves, captions=captions))
+    return points
+
+
+def _samples(data: DatasetRef | None, n: int = 6) -> list[Any]:
+    from captioning.tradeoff import Sample
+
+    if data is None:
+        return []
+    ds = Dataset.load(data.path)
+    if ds.images_root is None:
+        return []
+    out = []
+    for e in ds.split("test"):
+        path = ds.image_path(e)
+        if path.is_file() and path.suffix.lower() in (".jpg", ".jpeg", ".png"):
+            out.append(Sample(image_id=e.image_id, path=str(path), references=list(e.captions)))
+        if len(out) == n:
+            break
+    return out
+
+
+def tradeoff_report(results: list[StudentResult | StudentFailure], data: DatasetRef | None, out: str | Path
+                    ) -> list[Path]:
+    """The trade-off report (:mod:`captioning.tradeoff`) of the finished students into ``out``: their recorded
+    test CIDEr, parameters and latency, learning curves and test captions, with sample test images of ``data``."""
+    from captioning.tradeoff import write
+
+    ranked, _ = rank(results)
+    return write(_points(ranked), _samples(data), out)
+
+
+def recorded_students(rc: RunContext) -> tuple[list[StudentResult], DatasetRef | None]:
+    """Every student stage's most recent record in the workdir (one per stage), and the latest dataset record:
+    what ``capflow report`` draws."""
+    from tasks.cache import StageRecordError, read_record
+    from tasks.refs import RecordMismatch
+
+    latest: dict[str, tuple[float, StudentResult]] = {}
+    for p in rc.cache.root.glob("student-*.json") if rc.cache.root.is_dir() else []:
+        try:
+            doc = read_record(p)
+            r = StudentResult.from_record(doc["result"])
+        except (StageRecordError, RecordMismatch, TypeError):
+            continue
+        stage, t = str(doc.get("stage")), p.stat().st_mtime
+        if stage not in latest or t > latest[stage][0]:
+            latest[stage] = (t, r)
+    return [r for _, r in latest.values()], rc.cache.latest("ingest", DatasetRef)

@@ -191,7 +191,7 @@ def _student(rc: RunContext, plan: ModelPlan, data: DatasetRef, feats: FeaturesR
         scst = _fit_scst(rc, run, plan, ctx, inputs, out, xe) if plan.scst is not None else None
         result = _evaluate_and_register(rc, run, plan, ctx, out, data, labels, (scst or xe).checkpoint)
     training: dict[str, Any] = {"xe": {"best_metric": xe.best_metric, "best_epoch": xe.best_epoch, "init": xe.init,
-                                       "seconds": xe.seconds}}
+                                       "seconds": xe.seconds, "history": xe.history}}
     if scst is not None:
         training["scst"] = {"best_metric": scst.best_metric, "best_epoch": scst.best_epoch, "history": scst.history,
                             "seconds": scst.seconds}

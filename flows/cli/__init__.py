@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_commands(sub)
     workdir.add_commands(sub)
     run.add_commands(sub)
+    run.add_report_command(sub)
     train.add_commands(sub)
     models.add_commands(sub)
     bench.add_commands(sub)

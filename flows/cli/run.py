@@ -57,3 +57,38 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     pipeline_args(r)
     r.add_argument("--json", action="store_true", help="print the run summary as JSON")
     r.set_defaults(func=cmd_run)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """The trade-off report of the workdir's recorded students (``capflow report``), rebuilt without training."""
+    from flows.cli.common import stage_context
+    from tasks.report import recorded_students, tradeoff_report
+
+    args.no_track = True
+    with stage_context(args, progress=False) as rc:
+        results, data = recorded_students(rc)
+        if not results:
+            raise CLIError(f"no student is recorded in {rc.workdir.root}: run the pipeline (capflow run) or capflow "
+                           "train --model NAME first")
+        out = Path(args.out) if args.out else rc.workdir.root / "report" / "latest"
+        written = tradeoff_report(results, data, out)
+    if args.json:
+        print_json({"report": str(out / "report.html"), "files": [str(p) for p in written],
+                    "models": sorted(r.label or r.student for r in results)})
+    else:
+        print(f"report of {len(results)} models: {out / 'report.html'}")
+    return 0
+
+
+def add_report_command(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("report", help="the trade-off report of the recorded students (figures + one HTML page)",
+                       description=("Rebuild the compact-captioner trade-off report from the workdir's recorded "
+                                    "students: test CIDEr against parameters and against latency (Pareto fronts "
+                                    "marked), every family's learning curves, sample test images with each model's "
+                                    "caption; tradeoff.png, curves.png and a self-contained report.html in "
+                                    "<workdir>/report/latest/ (or --out). capflow run writes the same report for "
+                                    "each run and logs it to the run's MLflow artifacts."))
+    config_args(r)
+    r.add_argument("--out", help="folder of the report (default <workdir>/report/latest)")
+    r.add_argument("--json", action="store_true", help="print where the report is as JSON")
+    r.set_defaults(func=cmd_report)
