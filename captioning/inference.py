@@ -62,6 +62,7 @@ class CaptionResult:
 
     captions: list[dict[str, str]] = field(default_factory=list)  # [{"file", "caption"}]
     rejected: list[dict[str, str]] = field(default_factory=list)  # [{"file", "error"}]
+    regions: dict[str, Regions] = field(default_factory=dict)  # file -> the regions its caption saw (when kept)
 
 
 @dataclass
@@ -288,14 +289,16 @@ class ImageCaptioner:
         return load_rgb(path, min_side=ex.min_image_side, max_pixels=ex.max_image_pixels)
 
     def caption(self, files: Iterable[str | Path], progress: bool | None = None,
-                decoded: Mapping[int, np.ndarray | str] | None = None) -> CaptionResult:
+                decoded: Mapping[int, np.ndarray | str] | None = None, keep_regions: bool = False) -> CaptionResult:
         """Caption image files: ``captions`` = [{"file", "caption"}] for the usable ones, ``rejected`` =
         [{"file", "error"}] for the others (both in input order; ``file`` as given). ``decoded``: images already
-        decoded by :meth:`decode` (or the reason they were rejected), by position."""
+        decoded by :meth:`decode` (or the reason they were rejected), by position; ``keep_regions``: the regions
+        each caption saw in ``regions`` (``capflow caption --draw``)."""
         paths = [str(p) for p in files]
         decoded = decoded or {}
         done: dict[int, str] = {}
         failed: dict[int, str] = {}
+        kept: dict[int, Regions] = {}
         show = self.progress if progress is None else progress
         with progress_bar(total=len(paths), desc="captioning", unit="img", enabled=show) as bar:
             for start in range(0, len(paths), self.batch_size):
@@ -319,13 +322,16 @@ class ImageCaptioner:
                     else:
                         failed[i] = reason
                 del images
-                for (i, _), cap in zip(usable, self.caption_regions([r for _, r in usable]), strict=True):
+                for (i, reg), cap in zip(usable, self.caption_regions([r for _, r in usable]), strict=True):
                     done[i] = cap
+                    if keep_regions:
+                        kept[i] = reg
                 bar.update(len(idx))
         for i, reason in sorted(failed.items()):
             log.info("rejected %s: %s", paths[i], reason)
         return CaptionResult(captions=[{"file": paths[i], "caption": c} for i, c in sorted(done.items())],
-                             rejected=[{"file": paths[i], "error": r} for i, r in sorted(failed.items())])
+                             rejected=[{"file": paths[i], "error": r} for i, r in sorted(failed.items())],
+                             regions={paths[i]: r for i, r in kept.items()})
 
 
 __all__ = ["CaptionResult", "CaptionerError", "ImageCaptioner", "ModelFiles", "detector_weights", "model_files",

@@ -382,3 +382,29 @@ def test_empty_captions_are_counted_on_stderr(capsys, tmp_path, untrained_dir, s
     assert rc == 0, err
     assert [e["caption"] for e in json.loads(out)] == ["", ""]
     assert "2 of 2 captions are empty" in err
+
+
+@pytest.mark.slow
+def test_draw_writes_each_image_with_its_regions_and_caption(capsys, tmp_path, model_dir, subset_captions):
+    """`capflow caption IMAGE --draw OUT`: the image, its selected regions drawn over it (in place: pixels inside
+    the image change, its size is kept) and the caption below it; several images: one file each in OUT/."""
+    from PIL import Image
+
+    files = list(subset_captions)
+    one = tmp_path / "one.png"
+    rc, out, err = run(capsys, "caption", files[0], "--model", str(model_dir / "model.pt"), "--device", "cpu",
+                       "--draw", str(one))
+    assert rc == 0, err
+    assert out.strip() == f"{files[0]}\t{subset_captions[files[0]]}"  # the output itself is unchanged
+    with Image.open(files[0]) as src, Image.open(one) as drawn:
+        w, h = src.size
+        assert drawn.size == (w, h + 28)
+        a = np.asarray(src.convert("RGB"), dtype=np.int16)
+        b = np.asarray(drawn.convert("RGB"), dtype=np.int16)
+        assert (np.abs(a - b[:h]).sum(axis=2) > 60).mean() > 0.002  # boxes drawn over the picture
+        assert (b[h:] < 128).any()  # the caption's text under it
+    folder = tmp_path / "drawn"
+    rc, _, err = run(capsys, "caption", *files[:2], "--model", str(model_dir / "model.pt"), "--device", "cpu",
+                     "--draw", str(folder))
+    assert rc == 0, err
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{Path(f).stem}-captioned.png" for f in files[:2])

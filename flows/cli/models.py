@@ -93,6 +93,23 @@ def _recorded_predictions(args: argparse.Namespace) -> tuple[str, str]:
     return rec.predictions, rec.references
 
 
+def _draw(args: argparse.Namespace, res) -> None:
+    """``--draw OUT``: each captioned image with its regions and caption - OUT itself for one image given a file
+    name with an image suffix, else ``OUT/<name>-captioned.png``."""
+    from captioning.drawing import class_names, draw
+
+    try:
+        objects, attributes = class_names(args.object_names), class_names(args.attribute_names)
+    except OSError as e:
+        raise CLIError(f"class-name file: {e}") from None
+    out = Path(args.draw)
+    single = len(args.images) == 1 and out.suffix.lower() in (".png", ".jpg", ".jpeg")
+    for c in res.captions:
+        target = out if single else out / f"{Path(c['file']).stem}-captioned.png"
+        draw(c["file"], res.regions[c["file"]], c["caption"], target, objects=objects, attributes=attributes)
+        print(f"capflow caption: drew {target}", file=sys.stderr)
+
+
 def cmd_caption(args: argparse.Namespace) -> int:
     import os
 
@@ -122,9 +139,11 @@ def cmd_caption(args: argparse.Namespace) -> int:
     except CaptionerError as e:
         raise CLIError(str(e)) from None
     try:
-        res = captioner.caption(args.images)
+        res = captioner.caption(args.images, keep_regions=bool(args.draw))
     except CaptionerError as e:
         raise CLIError(str(e)) from None
+    if args.draw:
+        _draw(args, res)
     if args.json:
         print(json.dumps(res.captions, indent=2, ensure_ascii=False))
     else:
@@ -186,6 +205,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cp.add_argument("--beam", type=int, help="beam width (default: the pipeline's evaluation.beam stored with the "
                     "model; 1 = greedy)")
     cp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cp.add_argument("--draw", metavar="OUT", help="also write each captioned image with its selected regions and "
+                    "caption: OUT (one image, a .png/.jpg name) or OUT/<name>-captioned.png")
+    cp.add_argument("--object-names", metavar="FILE", help="--draw: the detector's object class names, one a line "
+                    "(objects_vocab.txt); without it regions are labelled by class id (or rank)")
+    cp.add_argument("--attribute-names", metavar="FILE", help="--draw: the attribute class names, one a line")
     cp.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="captioning model precision on CUDA (auto: bf16 where supported; CPUs run fp32)")
     config_args(cp)
