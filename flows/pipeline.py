@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -111,10 +112,11 @@ class ProgressArtifacts:
         from prefect.context import TaskRunContext
 
         ctx = TaskRunContext.get()
-        key = (str(ctx.task_run.id) if ctx else "", desc)
+        kind = re.sub(r"\d+", "N", desc)  # one artifact per kind of bar ("epoch N/N"), not one per epoch
+        key = (str(ctx.task_run.id) if ctx else "", kind)
         pct = min(100.0, 100.0 * done / total)
         if key not in self.ids:
-            self.ids[key] = create_progress_artifact(pct, description=f"capflow: {desc}")
+            self.ids[key] = create_progress_artifact(pct, description=f"capflow: {kind}")
         else:
             update_progress_artifact(self.ids[key], pct)
 

@@ -28,10 +28,10 @@ def test_the_pareto_front_is_the_non_dominated_models():
 def test_capflow_report_draws_the_recorded_students(tmp_path, capsys):
     from flows.cli import main
 
-    args = ["--preset", "learning", "--set", "dataset.synthetic.num_images=40", "--set",
-            f"run.workdir={tmp_path / 'w'}", "--set", "students.xe.epochs=2", "--set", "teacher.xe.epochs=2", "--set", "students.scst.epochs=1",
-            "--set", "students.size=tiny", "--set", "teacher.model.d_model=32", "--set", "teacher.model.layers=1",
-            "--set", "teacher.model.d_ff=64", "--set", "students.per_student={}", "--set", "evaluation.beam=1"]
+    sets = ["dataset.synthetic.num_images=40", f"run.workdir={tmp_path / 'w'}", "students.xe.epochs=2",
+            "teacher.xe.epochs=2", "students.scst.epochs=1", "students.size=tiny", "teacher.model.d_model=32",
+            "teacher.model.layers=1", "teacher.model.d_ff=64", "students.per_student={}", "evaluation.beam=1"]
+    args = ["--preset", "learning", *(x for s in sets for x in ("--set", s))]
     assert main(["extract", "--json", *args]) == 0
     for name in ("lw", "acort"):
         assert main(["train", "--json", "--model", name, *args]) == 0
