@@ -175,8 +175,12 @@ def test_deploy_then_deployment_run_executes_on_the_worker(plat):
     run = subprocess.run([PREFECT, "deployment", "run", "capflow-pipeline/nightly", "--watch", "--watch-timeout",
                           "540"], env=plat.env(), capture_output=True, text=True, timeout=600, cwd=plat.work)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    runs = api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [d["id"]]}}}).raise_for_status().json()
+    every = api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [d["id"]]}}}).raise_for_status().json()
+    runs = [r for r in every if r["state"]["type"] != "SCHEDULED"]
     assert len(runs) == 1 and runs[0]["state"]["type"] == "COMPLETED"
+    # the nightly runs the server's scheduler made of the cron: 02:00 in Berlin
+    nightly = [r["expected_start_time"] for r in every if r["state"]["type"] == "SCHEDULED"]
+    assert all(t.endswith(("T01:00:00Z", "T00:00:00Z")) for t in nightly), nightly
     fr = runs[0]
     plat.flow_run_name = fr["name"]
     # the nightly run saw no new data and no changed settings: every stage came from the cache,
@@ -255,6 +259,123 @@ def test_prefect_and_mlflow_uis_render_the_runs(plat):
     assert model.name in shown and model_id in shown
     (linked,) = {m.dataset_digest for m in model.metrics if m.key == "test_CIDEr"}
     assert f"test_CIDEr dataset (#{linked[:16]}" in shown  # the metric, measured on the linked dataset
+
+
+def _shows(page, *wanted: str, timeout: float = 60) -> str:
+    """The page's text once it shows every one of ``wanted`` (MLflow's UI renders after load and keeps polling)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = page.inner_text("body")
+        if all(w in text for w in wanted):
+            return text
+        assert time.monotonic() < deadline, f"missing {[w for w in wanted if w not in text]}: {text[-1500:]}"
+        page.wait_for_timeout(1000)
+
+
+def _wait_for_state(page, read, timeout: float) -> None:
+    """Until the flow run ``read()`` is final (reloading its page meanwhile); it must have completed, and its page's
+    header must say so."""
+    deadline = time.monotonic() + timeout
+    while (run := read())["state"]["type"] not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+        assert time.monotonic() < deadline, f"the run is still {run['state']['type']} after {timeout:.0f} s"
+        page.wait_for_timeout(5000)
+        page.reload(wait_until="networkidle")
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    page.reload(wait_until="networkidle")
+    page.wait_for_timeout(2000)
+    header = page.inner_text("body").split("Logs\n", 1)[0]  # the run's title block, above its tabs
+    assert run["name"] in header and "Completed" in header and "Running" not in header, header[-800:]
+
+
+def test_a_run_started_by_a_click_in_the_prefect_ui_completes_and_its_lineage_shows_in_mlflow(plat):
+    """The interaction the users name first, as a person does it in a real (headless) Chromium: open the nightly
+    deployment (its cron schedule and next run shown), press Run -> Custom run, fill the form (run name, preset,
+    one student, no SCST, an override), submit; the stack's worker runs it and the UI shows it Completed with its
+    "capflow run summary" artifact; then MLflow's UI: the run, the registered version with its alias and the run it
+    came from with its dataset inputs. Screenshots in test-artifacts/screenshots/."""
+    if _chromium() is None:
+        pytest.skip("chromium is not installed (make test installs it with apt-get when run as root)")
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    st = plat.stack
+    api = httpx.Client(base_url=st.prefect_api, timeout=30)
+    dep = api.get("/deployments/name/capflow-pipeline/nightly").raise_for_status().json()
+
+    def runs() -> list[dict]:
+        return api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [dep["id"]]}}}
+                        ).raise_for_status().json()
+
+    before = {r["id"] for r in runs() if r["state"]["type"] != "SCHEDULED"}
+    # the server's scheduler turns the cron into scheduled runs (it failed on every loop with SQLAlchemy 2.1:
+    # "Can't evaluate bulk DML statement", and the nightly run never came; SQLAlchemy is pinned to 2.0)
+    deadline = time.monotonic() + 120
+    while not [r for r in runs() if r["state"]["type"] == "SCHEDULED"]:
+        assert time.monotonic() < deadline, "the Prefect server scheduled no run of the nightly deployment"
+        time.sleep(5)
+    name = f"ui-click-{int(time.time())}"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{st.prefect_ui}/deployments", wait_until="networkidle")
+        page.get_by_role("link", name="nightly").first.click()
+        page.wait_for_load_state("networkidle")
+        # the nightly schedule and its next run, as the UI shows them
+        page.get_by_text("Upcoming", exact=True).click()
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(SHOTS / "prefect-ui-schedule.png"), full_page=True)
+        shown = page.inner_text("body")
+        (SHOTS / "prefect-ui-schedule.txt").write_text(shown, encoding="utf-8")
+        upcoming = [r for r in runs() if r["state"]["type"] == "SCHEDULED"]
+        assert "At 02:00 AM" in shown and upcoming, shown[-1500:]  # the cron and the runs it has scheduled
+        assert any(r["name"] in shown for r in upcoming), shown[-1500:]  # listed with their start times
+        # Run -> Custom run: the form
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.get_by_text("Custom run").click()
+        page.wait_for_load_state("networkidle")
+        page.locator(".flow-run-name-input input").fill(name)
+        page.locator(".schema-form-property", has_text="preset (Optional)").locator("textarea").first.fill("tiny")
+        students = page.locator(".schema-form-property", has_text="students (Optional)").first
+        students.locator("textarea").first.fill("lw")
+        overrides = page.locator(".schema-form-property", has_text="overrides (Optional)").first
+        overrides.get_by_role("button", name="list", exact=True).click()
+        overrides.get_by_role("button", name="Add item").click()
+        overrides.locator("textarea").last.fill("run.parallel_students=1")  # in no stage key: the stages stay cached
+        page.screenshot(path=str(SHOTS / "prefect-ui-custom-run-form.png"), full_page=True)
+        page.get_by_role("button", name="Submit").click()
+        deadline = time.monotonic() + 60  # the run the click created (the toast's "View run" link leads there)
+        while not (made := [r for r in runs() if r["name"] == name]):
+            assert time.monotonic() < deadline, "the Submit click created no flow run"
+            time.sleep(1)
+        page.goto(f"{st.prefect_ui}/runs/flow-run/{made[0]['id']}", wait_until="networkidle")
+        _wait_for_state(page, lambda: api.get(f"/flow_runs/{made[0]['id']}").raise_for_status().json(), 540)
+        page.screenshot(path=str(SHOTS / "prefect-ui-run-completed.png"), full_page=True)
+        page.get_by_text("Artifacts", exact=True).first.click()
+        page.wait_for_timeout(2000)
+        page.screenshot(path=str(SHOTS / "prefect-ui-run-artifacts.png"), full_page=True)
+        shown = page.inner_text("body")
+        (SHOTS / "prefect-ui-run-artifacts.txt").write_text(shown, encoding="utf-8")
+        assert "capflow-run-summary" in shown, shown[-3000:]
+        # the run exists because of the click, with the form's parameters
+        (run,) = [r for r in runs() if r["id"] not in before and r["state"]["type"] != "SCHEDULED"]
+        assert run["name"] == name and run["state"]["type"] == "COMPLETED"
+        assert run["parameters"] == {"preset": "tiny", "config_path": None, "students": ["lw"], "scst": False,
+                                     "overrides": ["run.parallel_students=1"]}
+        # MLflow's UI: the run, its dataset input, the registered version, its alias and its source run
+        client = plat.client()
+        exp = plat.first["experiment_id"]
+        (parent,) = client.search_runs([exp], filter_string=f"tags.`prefect.flow_run_id` = '{run['id']}'")
+        page.goto(f"{st.mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}", wait_until="load")
+        _shows(page, "pipeline", run["id"])  # the parent run, tagged with the clicked flow run
+        page.screenshot(path=str(SHOTS / "mlflow-ui-clicked-run.png"), full_page=True)
+        champ = client.get_model_version_by_alias("capflow-captioner", "champion")
+        page.goto(f"{st.mlflow_url}/#/models/capflow-captioner/versions/{champ.version}", wait_until="load")
+        _shows(page, "champion", f"Version {champ.version}")
+        page.screenshot(path=str(SHOTS / "mlflow-ui-version-alias.png"), full_page=True)
+        page.get_by_role("link", name="lw-1x").first.click()  # Source Run: the student's run
+        _shows(page, "lw-1x", "test_CIDEr", "dataset")  # its inputs: the dataset lineage
+        page.screenshot(path=str(SHOTS / "mlflow-ui-source-run.png"), full_page=True)
+        browser.close()
 
 
 def test_caption_real_images_with_the_champion(plat, external):
