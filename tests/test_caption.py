@@ -168,7 +168,8 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 # ---------------------------------------------------------------------- (a) real JPEGs, consistency
 @pytest.mark.slow
 def test_cli_captions_all_27_real_images_like_extraction_plus_beam_search_by_hand(capsys, caplog, model_dir,
-                                                                                   extractor, images):
+                                                                                   extractor, images, monkeypatch):
+    monkeypatch.setenv("CAPFLOW_PROGRESS_EVERY", "0")  # stderr is not a terminal here: progress as lines, each update
     t0 = time.perf_counter()
     rc, out, err = run(capsys, "caption", *map(str, images), "--model", str(model_dir), "--device", "cpu",
                        "--batch-size", "8")
@@ -181,7 +182,7 @@ def test_cli_captions_all_27_real_images_like_extraction_plus_beam_search_by_han
     assert all(c.strip() for c in got.values())  # non-empty captions
     # the random-weight detector is announced (a logged warning, or the CLI's own stderr line)
     assert "RANDOM detector weights" in caplog.text + err
-    assert "captioning: 100%" in err  # the progress bar, on stderr
+    assert "captioning: 27/27 img (100%)" in err  # the progress, on stderr
     expected = by_hand(model_dir, extractor, images)
     assert got == expected
     assert len(set(got.values())) > 1  # the captions depend on the image
