@@ -200,16 +200,21 @@ def _label_store(uri: str, repair: bool, records: list[Path], res: VerifyResult)
     return Finding(uri, "label store", "ok", detail)
 
 
-def remove_store(uri: str) -> None:
+def remove_store(uri: str) -> bool:
+    """Remove the store at ``uri`` (a folder or an ``s3://`` prefix); False when there was none."""
     if "://" in uri:
         import fsspec
 
         from captioning.data.stores import storage_options_for
 
         fs, path = fsspec.core.url_to_fs(uri, **(storage_options_for(uri) or {}))
+        if not fs.exists(path):
+            return False
         fs.rm(path, recursive=True)
-    else:
-        shutil.rmtree(uri, ignore_errors=True)
+        return True
+    existed = Path(uri).exists()
+    shutil.rmtree(uri, ignore_errors=True)
+    return existed
 
 
 def _store(uri: str, repair: bool, records: list[Path], res: VerifyResult) -> Finding:

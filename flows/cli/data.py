@@ -151,14 +151,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def _remove_store(uri: str) -> None:
-    import fsspec
+    from tasks.verify import remove_store
 
-    from captioning.data.stores import storage_options_for
-
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options_for(uri) or {}))
-    if fs.exists(path):
-        log.warning("removing %s (--no-resume)", uri)
-        fs.rm(path, recursive=True)
+    if remove_store(uri):
+        log.warning("removed %s (--no-resume)", uri)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
