@@ -180,6 +180,36 @@ _GLOBAL_URI = threading.Lock()
 _SAVE = threading.Lock()
 
 
+_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+
+
+@contextlib.contextmanager
+def _global_uris(uri: str, registry: bool) -> Iterator[None]:
+    """Point MLflow's process-global tracking URI (and, with ``registry``, its registry URI) at ``uri`` for the
+    block, then restore exactly what was there: both module globals and both environment variables, which MLflow's
+    setters also write (``set_registry_uri`` leaves ``MLFLOW_REGISTRY_URI`` behind, and every later client would
+    find its registry there)."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    with _GLOBAL_URI:
+        before = (tracking_utils._tracking_uri, registry_utils._registry_uri,
+                  {k: os.environ.get(k) for k in _URI_VARIABLES})
+        mlflow.set_tracking_uri(uri)
+        if registry:
+            mlflow.set_registry_uri(uri)
+        try:
+            yield
+        finally:
+            tracking_utils._tracking_uri, registry_utils._registry_uri = before[0], before[1]
+            for k, v in before[2].items():
+                if v is not None:
+                    os.environ[k] = v
+                else:
+                    os.environ.pop(k, None)
+
+
 @contextlib.contextmanager
 def _lookups_in(uri: str) -> Iterator[None]:
     """MLflow's SQL registry store resolves a ``models:/<model_id>`` version source through the process's *global*
@@ -188,22 +218,12 @@ def _lookups_in(uri: str) -> Iterator[None]:
     from urllib.parse import urlparse
 
     import mlflow
-    from mlflow.tracking._tracking_service import utils
 
     if urlparse(uri).scheme in ("http", "https") or mlflow.get_tracking_uri() == uri:
         yield
         return
-    with _GLOBAL_URI:
-        before, env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
-        mlflow.set_tracking_uri(uri)
-        try:
-            yield
-        finally:
-            mlflow.set_tracking_uri(before)
-            if env is not None:
-                os.environ["MLFLOW_TRACKING_URI"] = env
-            else:
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
+    with _global_uris(uri, registry=False):
+        yield
 
 
 def register_logged_model(client, uri: str, name: str, model_id: str, run_id: str, tags: Mapping[str, str],
@@ -249,22 +269,10 @@ def local_model(model_uri: str, dest: str | Path, tracking_uri: str | None = Non
     are restored exactly."""
     if ":/" not in model_uri:
         return Path(model_uri).resolve()
-    import mlflow
     import mlflow.artifacts
-    from mlflow.tracking._model_registry import utils as registry
-    from mlflow.tracking._tracking_service import utils as tracking
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    with _GLOBAL_URI:
-        before = tracking._tracking_uri, registry._registry_uri, os.environ.get("MLFLOW_TRACKING_URI")
-        if uri:
-            mlflow.set_tracking_uri(uri)
-            mlflow.set_registry_uri(uri)
-        try:
-            return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest)))
-        finally:
-            tracking._tracking_uri, registry._registry_uri = before[0], before[1]
-            if before[2] is not None:
-                os.environ["MLFLOW_TRACKING_URI"] = before[2]
-            else:
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
+    if not uri:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest)))
+    with _global_uris(uri, registry=True):
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest)))

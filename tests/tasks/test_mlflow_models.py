@@ -324,3 +324,23 @@ def test_the_served_model_bounds_what_decoding_costs_before_it_decodes(registere
         model.predict(pd.DataFrame({"image": [buf.getvalue()]}))
     with pytest.raises(MlflowException, match="one request may take: send fewer per request"):
         model.predict(pd.DataFrame({"image": [images[0].read_bytes()] * 3}))
+
+
+def test_downloading_a_registered_model_leaves_mlflows_global_uris_as_they_were(registered, tmp_path, monkeypatch):
+    """``local_model`` points MLflow's process-global URIs at the store for the download and restores all of them:
+    MLflow's ``set_registry_uri`` also writes ``MLFLOW_REGISTRY_URI``, and a variable left behind sent every later
+    client's registry calls to this store (a model registered elsewhere turned up as another store's champion)."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+
+    from tasks.mlflow_models import capflow_folder, local_model
+
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    before = mlflow.get_tracking_uri(), registry_utils._registry_uri
+    root = local_model("models:/capflow-captioner@champion", tmp_path / "dl", registered["uri"])
+    assert capflow_folder(root) is not None
+    assert "MLFLOW_REGISTRY_URI" not in os.environ and "MLFLOW_TRACKING_URI" not in os.environ
+    assert (mlflow.get_tracking_uri(), registry_utils._registry_uri) == before
+    # a client of another store finds its own (empty) registry, not this one's champion
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert MlflowClient(other)._registry_uri == other
