@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from captioning.errors import InputError
 from captioning.models.names import FAMILIES, PRESET_NAMES
@@ -103,6 +103,34 @@ class SyntheticConfig(Section):
     test_fraction: float = Field(0.1, ge=0, le=1, description="Share of images in the test split")
 
 
+# dataset.format=webdataset: img2dataset tar shards, read by captioning.data.shards
+class ShardsConfig(Section):
+    files: list[str] = Field(
+        default_factory=lambda: ["*.tar"], min_length=1, description="WebDataset tar shards (dataset.format="
+        "webdataset): globs relative to dataset.images, matched in name order; a shard must lie inside it")
+    metadata: Literal["auto", "required", "ignore"] = Field(
+        "auto", description="img2dataset's <shard>.parquet beside each tar: auto = read when present (failed "
+        "downloads become rejected entries with img2dataset's error; its caption serves a sample without one), "
+        "required = a shard without it is an error, ignore")
+    val_images: int = Field(
+        5000, ge=0, le=100_000_000, description="Images in val: the kept images ranked by a hash of their image id "
+        "(the numeric img2dataset key), the first val_images go to val, the next test_images to test, the rest to "
+        "train (shards carry no Karpathy split; the same images always give the same splits)")
+    test_images: int = Field(5000, ge=0, le=100_000_000, description="Images in test (see val_images)")
+
+    @field_validator("files")
+    @classmethod
+    def _inside_images(cls, v: list[str]) -> list[str]:
+        for pat in v:
+            parts = pat.replace("\\", "/").split("/")
+            if not pat.strip() or "\0" in pat or pat.startswith(("/", "\\")) or ".." in parts:
+                raise ValueError(f"dataset.shards.files {pat!r}: give globs relative to dataset.images, without '..'")
+        return v
+    max_split_fraction: float = Field(
+        0.1, gt=0, le=0.45, description="val and test each hold at most this share of the kept images (at least "
+        "one image each when there are three or more)")
+
+
 class DatasetConfig(Section):
     annotations: str | None = Field(
         None, description="Karpathy dataset_coco.json path; unset = generate the synthetic dataset"
@@ -125,6 +153,23 @@ class DatasetConfig(Section):
     hash_workers: int | None = Field(
         None, ge=1, le=1024, description="Threads checking and hashing image files at ingest; unset = the usable "
         "CPUs, at most 4 (more threads than cores only contend for the interpreter lock on small files)")
+    # the input format
+    format: Literal["karpathy", "webdataset"] = Field(
+        "karpathy", description="Input: karpathy = dataset.annotations (Karpathy JSON) + image files below "
+        "dataset.images, or the synthetic dataset when annotations is unset; webdataset = img2dataset tar shards "
+        "(dataset.shards) below dataset.images, images read from the shards (never unpacked)")
+    shards: ShardsConfig = Field(
+        default_factory=ShardsConfig, description="The WebDataset shards and their splits (dataset.format=webdataset)")
+
+    @model_validator(mode="after")
+    def _webdataset_needs_images(self) -> DatasetConfig:
+        if self.format == "webdataset":
+            if not self.images:
+                raise ValueError("dataset.format=webdataset reads the shards below dataset.images: set it")
+            if self.annotations is not None:
+                raise ValueError("dataset.annotations is a Karpathy JSON (dataset.format=karpathy); with "
+                                 "dataset.format=webdataset the captions come from the shards: leave it unset")
+        return self
 
 
 class BottomUpOptions(Section):

@@ -2,9 +2,11 @@
 
 ```
 <run.workdir>/
-  datasets/dataset-<digest16>.json, rejects-<digest16>.json   normalised dataset + its reject list (ingest)
+  datasets/dataset-<digest16>.parquet                         normalised dataset, columnar (ingest; earlier
+                                                              versions wrote dataset-<digest16>.json, still read)
+  datasets/rejects-<digest16>.json                            its reject list
   synthetic/<digest12>/                                       generated synthetic dataset (no dataset.annotations)
-  cache/file_hashes.json, cache/weights/                      image sha256 cache; detector weights
+  cache/file_hashes.sqlite, cache/weights/                    image sha256 cache; detector weights
   features/                                                   feature stores, unless features.store names a folder
   stages/<stage>-<key20>.json                                 stage records (the typed result of a finished stage)
   runs/<stage>-<key16>/                                       a stage's own outputs (labels, checkpoints, model)
@@ -18,6 +20,7 @@ named by what determines its content (``<settings digest>.zarr``, ``informative-
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,11 @@ class Workdir:
 
     # data
     def dataset(self, digest: str) -> Path:
-        return self.root / "datasets" / f"dataset-{digest[:16]}.json"
+        return self.root / "datasets" / f"dataset-{digest[:16]}.parquet"
+
+    def dataset_partial(self) -> Path:
+        """Where ingest writes the dataset before its digest names it (one per process)."""
+        return self.root / "datasets" / f".ingest-{os.getpid()}.parquet"
 
     def rejects(self, digest: str) -> Path:
         return self.root / "datasets" / f"rejects-{digest[:16]}.json"
@@ -44,7 +51,7 @@ class Workdir:
         return self.root / "synthetic" / digest[:12]
 
     def file_hashes(self) -> Path:
-        return self.root / "cache" / "file_hashes.json"
+        return self.root / "cache" / "file_hashes.sqlite"
 
     def weights_cache(self) -> Path:
         return self.root / "cache" / "weights"

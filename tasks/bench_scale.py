@@ -39,7 +39,7 @@ def stage_keys(p: Mapping[str, Any]) -> dict[str, Any]:
     """What a re-run of the pipeline pays to find its data stages cached: the stage keys (code digests included),
     the stage records written and read back, and the cached extract's check that its store is intact
     (``features_intact``: the manifest digest, then every chunk against its checksum)."""
-    from captioning.data.karpathy import Dataset
+    from captioning.data.karpathy import open_dataset
     from captioning.data.stores import FeatureStore, LabelStore
     from tasks.cache import StageCache, stage_key
     from tasks.refs import DatasetRef, FeaturesRef, LabelsRef
@@ -47,9 +47,9 @@ def stage_keys(p: Mapping[str, Any]) -> dict[str, Any]:
 
     cache = StageCache(p["out"])
     t0 = time.perf_counter()
-    ds = Dataset.load(dataset_path(p))
-    data = DatasetRef(run_id="", path=dataset_path(p), digest=ds.digest, images=len(ds.images),
-                      captions=sum(len(e.captions) for e in ds.images), rejected_images=len(ds.rejected),
+    ds = open_dataset(dataset_path(p))  # the head only: nothing here reads the entries
+    data = DatasetRef(run_id="", path=dataset_path(p), digest=ds.digest, images=ds.num_images,
+                      captions=ds.num_captions, rejected_images=len(ds.rejected),
                       dropped_captions=len(ds.dropped_captions))
     t_load = time.perf_counter() - t0
     store = FeatureStore.open(p["features"])
@@ -76,13 +76,13 @@ def stage_mlflow(p: Mapping[str, Any]) -> dict[str, Any]:
     tracking store (the default without a tracking server)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from captioning.config import PipelineConfig
-    from captioning.data.karpathy import Dataset
+    from captioning.data.karpathy import open_dataset
     from captioning.data.stores import FeatureStore, LabelStore
     from tasks.tracking import Tracker
 
     cfg = PipelineConfig.model_validate({"run": {"workdir": p["out"], "name": "bench-scale"}})
     tracker = Tracker(cfg)
-    ds = Dataset.load(dataset_path(p))
+    ds = open_dataset(dataset_path(p))
     summary = ds.summary()
     rejects = {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"],
                "excluded": summary["excluded"]}

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from captioning.data.karpathy import Dataset
+from captioning.data.karpathy import Dataset, open_dataset
 from captioning.data.plans import extract_plan, ingest_plan, vocab_plan
-from captioning.data.prepare import ingest as read_dataset
-from captioning.data.prepare import vocab_and_labels
+from captioning.data.prepare import ingest_file, vocab_and_labels
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.errors import InputError
 from captioning.util import atomic_write
@@ -34,26 +33,27 @@ def ingest(rc: RunContext) -> DatasetRef:
     """Read + validate the dataset (always: the digest says whether anything downstream must change)."""
     cfg = rc.cfg
     t0 = time.perf_counter()
-    ds = read_dataset(ingest_plan(cfg), progress=rc.progress)
     wd = rc.workdir
-    path = ds.save(wd.dataset(ds.digest))
-    summary = ds.summary()
+    f = ingest_file(ingest_plan(cfg), wd.dataset_partial(), progress=rc.progress)
+    path = wd.dataset(f.digest)
+    f.path.replace(path)  # named by its digest (a link planted at the name is replaced, not followed)
+    summary = f.summary()
     rejects = {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"],
                "excluded": summary["excluded"]}
-    rejects_path = wd.rejects(ds.digest)
+    rejects_path = wd.rejects(f.digest)
     text = json.dumps(rejects, indent=1, ensure_ascii=False).encode("utf-8")
-    atomic_write(rejects_path, lambda f: f.write(text), "rejects")  # a link planted there is replaced, not followed
-    ref = DatasetRef(run_id="", path=str(path), digest=ds.digest, images=summary["images"],
-                     captions=summary["captions"], rejected_images=len(ds.rejected),
-                     dropped_captions=len(ds.dropped_captions), splits=dict(summary["splits"]),
+    atomic_write(rejects_path, lambda fh: fh.write(text), "rejects")  # a link planted there is replaced, not followed
+    ref = DatasetRef(run_id="", path=str(path), digest=f.digest, images=summary["images"],
+                     captions=summary["captions"], rejected_images=len(summary["rejected"]),
+                     dropped_captions=len(summary["dropped_captions"]), splits=dict(summary["splits"]),
                      rejects_path=str(rejects_path))
     counts = ref.counts()
-    key, hit = rc.cached("ingest", DatasetRef, dataset=ds.digest)
+    key, hit = rc.cached("ingest", DatasetRef, dataset=f.digest)
     rc.tracker.metrics(rc.parent_run, counts)  # counted in the parent run on every run
     if hit is not None:
         return hit
     with rc.tracker.run("ingest", rc.parent_run) as run:
-        rc.tracker.dataset(run, "dataset", ds.digest, ds.source, "raw", counts)
+        rc.tracker.dataset(run, "dataset", f.digest, f.source, "raw", counts)
         rc.tracker.metrics(run, {**counts, "seconds": time.perf_counter() - t0})
         rc.tracker.json_artifact(run, "rejects.json", rejects)
         rc.tracker.json_artifact(rc.parent_run, "rejects.json", rejects)
@@ -206,7 +206,7 @@ def vocab(rc: RunContext, data: DatasetRef, feats: FeaturesRef | None) -> Labels
                          vocab=cfg.digest("vocab"), max_words=cfg.dataset.max_words)
     if hit is not None and Path(hit.vocab_path).is_file():
         return hit
-    ds = Dataset.load(data.path)
+    ds = open_dataset(data.path)  # streamed
     with rc.tracker.run("vocab", rc.parent_run) as run:
         rc.tracker.params(run, {"vocab": cfg.vocab.model_dump(mode="json"), "max_words": cfg.dataset.max_words})
         rc.tracker.dataset(run, "dataset", data.digest, ds.source, "input")

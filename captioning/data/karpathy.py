@@ -11,60 +11,52 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
-import threading
+import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from captioning.data.columnar import DatasetFile, DatasetWriter, RunWriter, is_columnar, merge_runs
+from captioning.data.entries import (
+    DIGEST_FORMAT,
+    SPLIT_CODES,
+    SPLITS,
+    DatasetError,
+    DigestHasher,
+    ImageEntry,
+    Rejection,
+    dataset_summary,
+)
+from captioning.data.hashcache import CHECK_LEVEL, FileHashCache
 from captioning.data.text import tokenize
-from captioning.errors import InputError
 from captioning.jsonio import iter_array_field
 from captioning.progress import bar as progress_bar
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "val", "test")
+__all__ = ["SPLITS", "SPLIT_CODES", "Dataset", "DatasetError", "FileHashCache", "ImageEntry", "Rejection",
+           "dataset_digest", "ingest_karpathy", "read_karpathy"]
+
 KARPATHY_SPLITS = {"train", "val", "test", "restval"}
-SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 IMAGE_FORMATS = {"JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF", "MPO"}
-FORMAT_VERSION = "capflow-dataset/1"
-
-
-class DatasetError(InputError, ValueError):
-    """The annotation file itself is malformed, or too many entries are bad."""
-
-
-@dataclass
-class ImageEntry:
-    image_id: int
-    file: str  # path relative to the images root
-    split: str  # train | val | test
-    captions: list[str]  # tokenised captions, words joined by single spaces
-    sentids: list[int]
-    size: int = -1  # file size in bytes (-1 = not checked)
-    sha256: str = ""  # file content hash ("" = not checked)
-
-
-@dataclass
-class Rejection:
-    entry: int  # index of the entry in the annotation file
-    image_id: int | None
-    file: str
-    reason: str
-    sentid: int | None = None  # set for a dropped caption
+JSON_FORMAT = DIGEST_FORMAT  # the one-JSON-document format earlier versions wrote (still read)
+RUN_ROWS = 10_000  # candidates checked, sorted and written per ingest run (bounds ingest's memory)
 
 
 @dataclass
 class Dataset:
+    """A normalised dataset in memory (small datasets, tests, and the stages that still need one whole); the
+    data-side stages stream its file instead (:class:`captioning.data.columnar.DatasetFile`)."""
+
     images: list[ImageEntry]
     rejected: list[Rejection] = field(default_factory=list)
     dropped_captions: list[Rejection] = field(default_factory=list)
@@ -75,7 +67,13 @@ class Dataset:
     entries: int = 0
     digest: str = ""
 
-    # ------------------------------------------------------------------ views
+    # ------------------------------------------------------------------ views (those of DatasetFile too)
+    num_images = property(lambda self: len(self.images))
+    num_captions = property(lambda self: sum(len(e.captions) for e in self.images))
+
+    def iter_entries(self, split: str | None = None) -> Iterable[ImageEntry]:
+        return iter(self.images) if split is None else iter(self.split(split))
+
     def split(self, name: str) -> list[ImageEntry]:
         return [e for e in self.images if e.split == name]
 
@@ -87,21 +85,8 @@ class Dataset:
 
     def summary(self) -> dict[str, Any]:
         counts = Counter(e.split for e in self.images)
-        return {
-            "images": len(self.images),
-            "captions": sum(len(e.captions) for e in self.images),
-            "splits": {s: counts.get(s, 0) for s in SPLITS},
-            "rejected": [
-                {"image_id": r.image_id, "file": r.file, "reason": r.reason, "entry": r.entry}
-                for r in self.rejected
-            ],
-            "dropped_captions": [
-                {"image_id": r.image_id, "sentid": r.sentid, "reason": r.reason} for r in self.dropped_captions
-            ],
-            "excluded": len(self.excluded),
-            "files_checked": self.files_checked,
-            "digest": self.digest,
-        }
+        return dataset_summary(len(self.images), sum(len(e.captions) for e in self.images), counts, self.rejected,
+                       self.dropped_captions, len(self.excluded), self.files_checked, self.digest)
 
     def image_path(self, entry: ImageEntry) -> Path:
         if self.images_root is None:
@@ -110,101 +95,73 @@ class Dataset:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
-        """Write the normalised dataset (one JSON object; written entry by entry, so that saving never holds a
-        second copy of the dataset as one string)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        head = {"format": FORMAT_VERSION, "digest": self.digest, "source": self.source,
-                "images_root": self.images_root, "files_checked": self.files_checked, "entries": self.entries}
-        tail = {name: [_rejection_dict(r) for r in rows] for name, rows in (
-            ("rejected", self.rejected), ("dropped_captions", self.dropped_captions), ("excluded", self.excluded))}
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(head, ensure_ascii=False)[:-1] + ', "images": [')
-            for k, e in enumerate(self.images):
-                f.write((", " if k else "") + json.dumps(_entry_dict(e), ensure_ascii=False))
-            f.write("], " + json.dumps(tail, ensure_ascii=False)[1:])
-        tmp.replace(path)
-        return path
+        """Write the normalised dataset file (:mod:`captioning.data.columnar`); its digest is computed as it is
+        written."""
+        w = DatasetWriter(path, source=self.source, images_root=self.images_root, files_checked=self.files_checked)
+        try:
+            for e in self.images:
+                w.add(e)
+        except BaseException:
+            w.abort()
+            raise
+        f = w.close(entries=self.entries, rejected=self.rejected, dropped_captions=self.dropped_captions,
+                    excluded=self.excluded)
+        if self.digest and self.digest != f.digest:
+            f.path.unlink()
+            raise DatasetError(f"{path}: the dataset's digest {self.digest[:16]} is not that of its entries "
+                               f"({f.digest[:16]}): not written")
+        self.digest = f.digest
+        return f.path
 
     @classmethod
     def load(cls, path: str | Path) -> Dataset:
-        d: dict[str, Any] = {}
-        try:  # entry by entry: the file is never in memory whole
-            images = [ImageEntry(**e) for e in iter_array_field(path, "images", "normalised dataset", DatasetError,
-                                                                 others=d)]
-        except DatasetError:
-            if d.get("format") == FORMAT_VERSION:
-                raise
-            images = []  # not ours: said below
-        if d.get("format") != FORMAT_VERSION:
-            raise DatasetError(f"{path}: not a normalised capflow dataset (format {d.get('format')!r})")
-        return cls(
-            images=images,
-            rejected=[Rejection(**r) for r in d["rejected"]],
-            dropped_captions=[Rejection(**r) for r in d["dropped_captions"]],
-            excluded=[Rejection(**r) for r in d.get("excluded", [])],
-            source=d["source"],
-            images_root=d["images_root"],
-            files_checked=d["files_checked"],
-            entries=d["entries"],
-            digest=d["digest"],
-        )
+        """A normalised dataset file: the columnar format, or the JSON document earlier versions wrote."""
+        got = open_dataset(path)
+        return cls.from_file(got) if isinstance(got, DatasetFile) else got
+
+    @classmethod
+    def from_file(cls, f: DatasetFile) -> Dataset:
+        return cls(images=list(f.iter_entries()), rejected=f.rejected,
+                   dropped_captions=f.dropped_captions, excluded=f.excluded,
+                   source=f.source, images_root=f.images_root, files_checked=f.files_checked, entries=f.entries,
+                   digest=f.digest)
 
 
-_ENTRY_FIELDS = tuple(f.name for f in fields(ImageEntry))
-_REJECTION_FIELDS = tuple(f.name for f in fields(Rejection))
+def open_dataset(path: str | Path) -> Dataset | DatasetFile:
+    """A normalised dataset file to stream (the columnar format), or read whole (the JSON of earlier versions)."""
+    try:
+        columnar = is_columnar(path)
+    except FileNotFoundError:
+        raise DatasetError(f"normalised dataset {path} not found") from None
+    return DatasetFile(path) if columnar else _load_json(path)
 
 
-def _entry_dict(e: ImageEntry) -> dict[str, Any]:
-    """``asdict`` of an entry without its deep copy (the lists are only read: 5x faster at COCO's 123k)."""
-    return {name: getattr(e, name) for name in _ENTRY_FIELDS}
-
-
-def _rejection_dict(r: Rejection) -> dict[str, Any]:
-    return {name: getattr(r, name) for name in _REJECTION_FIELDS}
+def _load_json(path: str | Path) -> Dataset:
+    d: dict[str, Any] = {}
+    try:  # entry by entry: the file is never in memory whole
+        images = [ImageEntry(**e) for e in iter_array_field(path, "images", "normalised dataset", DatasetError,
+                                                             others=d)]
+    except DatasetError:
+        if d.get("format") == JSON_FORMAT:
+            raise
+        images = []  # not ours: said below
+    if d.get("format") != JSON_FORMAT:
+        raise DatasetError(f"{path}: not a normalised capflow dataset (format {d.get('format')!r})")
+    return Dataset(
+        images=images,
+        rejected=[Rejection(**r) for r in d["rejected"]],
+        dropped_captions=[Rejection(**r) for r in d["dropped_captions"]],
+        excluded=[Rejection(**r) for r in d.get("excluded", [])],
+        source=d["source"],
+        images_root=d["images_root"],
+        files_checked=d["files_checked"],
+        entries=d["entries"],
+        digest=d["digest"],
+    )
 
 
 # ---------------------------------------------------------------------- file checks
-class FileHashCache:
-    """sha256 of image files keyed by (path, size, mtime): re-ingesting an unchanged tree re-reads nothing."""
-
-    def __init__(self, path: str | Path | None):
-        self.path = Path(path) if path else None
-        self._lock = threading.Lock()
-        self._data: dict[str, list] = {}
-        if self.path and self.path.is_file():
-            try:
-                self._data = json.loads(self.path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError):
-                log.warning("ignoring unreadable hash cache %s", self.path)
-
-    def get(self, p: Path, st: os.stat_result, mode: str) -> str | None:
-        """The cached hash if the file is unchanged and passed a check at least as strict as ``mode``."""
-        hit = self._data.get(str(p))
-        if (
-            hit
-            and len(hit) == 4
-            and hit[0] == st.st_size
-            and hit[1] == st.st_mtime_ns
-            and _CHECK_LEVEL[hit[3]] >= _CHECK_LEVEL[mode]
-        ):
-            return hit[2]
-        return None
-
-    def put(self, p: Path, st: os.stat_result, digest: str, mode: str) -> None:
-        with self._lock:
-            self._data[str(p)] = [st.st_size, st.st_mtime_ns, digest, mode]
-
-    def save(self) -> None:
-        if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._data), encoding="utf-8")
-            tmp.replace(self.path)
-
-
-_CHECK_LEVEL = {"none": 0, "header": 1, "decode": 2}
+_CHECK_LEVEL = CHECK_LEVEL
 _TAIL_MARKERS = {"JPEG": (b"\xff\xd9",), "MPO": (b"\xff\xd9",), "PNG": (b"IEND\xaeB`\x82",)}
 
 
@@ -304,9 +261,128 @@ def _image_id(entry: dict, idx: int, path: Path) -> int:
     raise DatasetError(f"{path}: images[{idx}] is missing required field 'cocoid' (or 'imgid')")
 
 
-def read_karpathy(
+def _parse_entry(entry: Any, idx: int, path: Path, max_words: int, restval_split: str, dropped: list[Rejection],
+                 excluded: list[Rejection], rejected: list[Rejection]) -> tuple[int, ImageEntry | None]:
+    """(image id, the entry as a candidate or None when it is left out - recorded in the lists). Structural
+    faults raise :class:`DatasetError`."""
+    if not isinstance(entry, dict):
+        raise DatasetError(f"{path}: images[{idx}] must be an object, got {type(entry).__name__}")
+    image_id = _image_id(entry, idx, path)
+    filename = _require(entry, "filename", idx, path, (str,))
+    filepath = entry.get("filepath", "") or ""
+    if not isinstance(filepath, str):
+        raise DatasetError(f"{path}: images[{idx}].filepath must be a string")
+    rel = f"{filepath}/{filename}" if filepath else filename
+    if "\0" in rel or not _encodable(rel):
+        raise DatasetError(f"{path}: images[{idx}] file name {rel!r} holds a NUL byte or invalid Unicode "
+                           "(a lone surrogate): fix the entry's filepath/filename")
+    if Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise DatasetError(f"{path}: images[{idx}] file {rel!r} must be relative to the images root")
+    split = _require(entry, "split", idx, path, (str,))
+    if split not in KARPATHY_SPLITS:
+        raise DatasetError(
+            f"{path}: images[{idx}] (image_id {image_id}) has unknown split {split!r}; "
+            f"expected one of {sorted(KARPATHY_SPLITS)}"
+        )
+    sentences = _require(entry, "sentences", idx, path, (list,))
+    if split == "restval":
+        if restval_split == "drop":
+            excluded.append(Rejection(idx, image_id, rel, "restval entry excluded (dataset.restval_split=drop)"))
+            return image_id, None
+        split = restval_split
+    caps: list[str] = []
+    sids: list[int] = []
+    for k, sent in enumerate(sentences):
+        sid = sent.get("sentid", k) if isinstance(sent, dict) else k
+        if not isinstance(sent, dict):
+            dropped.append(Rejection(idx, image_id, rel, "sentence is not an object", sid))
+            continue
+        text = sent.get("raw")
+        if isinstance(text, str) and not _encodable(text):
+            dropped.append(Rejection(idx, image_id, rel, "caption is invalid Unicode (a lone surrogate such "
+                                     "as \\ud800)", sid))
+            continue
+        if isinstance(text, str):
+            toks = tokenize(text, max_words)
+        elif isinstance(sent.get("tokens"), list) and all(isinstance(t, str) and _encodable(t)
+                                                          for t in sent["tokens"]):
+            toks = tokenize(" ".join(sent["tokens"]), max_words)
+        else:
+            dropped.append(Rejection(idx, image_id, rel, "sentence has neither 'raw' text nor 'tokens'", sid))
+            continue
+        if not toks:
+            dropped.append(Rejection(idx, image_id, rel, "empty caption (no words after tokenisation)", sid))
+            continue
+        caps.append(" ".join(toks))
+        sids.append(int(sid) if isinstance(sid, int) else k)
+    if not caps:
+        rejected.append(Rejection(idx, image_id, rel, "no captions (none non-empty)"))
+        return image_id, None
+    return image_id, ImageEntry(image_id, rel, split, caps, sids)
+
+
+def _duplicates(ids: list[np.ndarray], idxs: list[np.ndarray]) -> dict[int, int]:
+    """entry index of every repeated image id -> the entry index of its first occurrence (numpy: 16 bytes an
+    entry, not a dict of every id)."""
+    image_ids, entry = np.concatenate(ids), np.concatenate(idxs)
+    order = np.lexsort((entry, image_ids))
+    image_ids, entry = image_ids[order], entry[order]
+    repeat = np.flatnonzero(image_ids[1:] == image_ids[:-1]) + 1
+    if not len(repeat):
+        return {}
+    starts = np.flatnonzero(np.r_[True, image_ids[1:] != image_ids[:-1]])
+    first = entry[starts[np.searchsorted(starts, repeat, side="right") - 1]]
+    return dict(zip(entry[repeat].tolist(), first.tolist(), strict=True))
+
+
+def _duplicate_rejections(path: Path, dups: dict[int, int]) -> list[Rejection]:
+    """The rejections of the repeated entries ``dups`` names, from a second pass over the annotations (only when
+    there are repeats: their file names were not kept)."""
+    out = []
+    for idx, entry in enumerate(iter_array_field(path, "images", "annotation", DatasetError, DatasetError)):
+        if idx in dups:
+            filepath, filename = entry.get("filepath", "") or "", entry["filename"]
+            image_id = _image_id(entry, idx, path)
+            out.append(Rejection(idx, image_id, f"{filepath}/{filename}" if filepath else filename,
+                                 f"duplicate image_id {image_id} (first at images[{dups[idx]}])"))
+    return out
+
+
+class _FileChecks:
+    """The image files of one run of candidates, checked and hashed by a thread pool (batches of 64: one pool task
+    per file costs more than hashing a cached or small file)."""
+
+    def __init__(self, images_root: str | Path, image_check: str, hash_cache: str | Path | None, workers: int,
+                 bar: Any) -> None:
+        self.root = Path(images_root)
+        if not self.root.is_dir():
+            raise DatasetError(f"images root {self.root} is not a folder")
+        self.real_root, self.mode, self.workers, self.bar = self.root.resolve(), image_check, workers, bar
+        self.cache = FileHashCache(hash_cache)
+
+    def failed(self, pending: list[tuple[int, ImageEntry]], rejected: list[Rejection]) -> set[int]:
+        """Set each entry's size and hash; the entry indices of those that fail (recorded in ``rejected``)."""
+        def check(batch: list[tuple[int, ImageEntry]]) -> list[tuple[int, str, str | None]]:
+            return [_check_file(self.root / e.file, self.mode, self.cache, self.real_root) for _, e in batch]
+
+        batches = [pending[i: i + 64] for i in range(0, len(pending), 64)]
+        bad: set[int] = set()
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for batch, got in zip(batches, pool.map(check, batches), strict=True):
+                for (idx, e), (size, digest, reason) in zip(batch, got, strict=True):
+                    if reason:
+                        rejected.append(Rejection(idx, e.image_id, e.file, reason))
+                        bad.add(idx)
+                    else:
+                        e.size, e.sha256 = size, digest
+                self.bar.update(len(batch))
+        return bad
+
+
+def ingest_karpathy(
     annotations: str | Path,
-    images_root: str | Path | None = None,
+    images_root: str | Path | None,
+    out: str | Path,
     *,
     max_words: int = 16,
     restval_split: str = "train",
@@ -315,150 +391,99 @@ def read_karpathy(
     hash_workers: int = 4,
     hash_cache: str | Path | None = None,
     progress: bool = False,
-) -> Dataset:
-    """Read and validate a Karpathy JSON (+ images root when given). See the module docstring."""
+    run_rows: int = RUN_ROWS,
+) -> DatasetFile:
+    """Read and validate a Karpathy JSON (+ images root when given) into the normalised dataset file ``out``
+    (see the module docstring), streaming: entries are parsed one at a time, checked and sorted ``run_rows`` at a
+    time into temporary runs beside ``out``, and merged in image-id order into ``out``."""
     if restval_split not in (*SPLITS, "drop"):
         raise ValueError(f"restval_split must be one of train/val/test/drop, got {restval_split!r}")
     if image_check not in _CHECK_LEVEL:
         raise ValueError(f"image_check must be one of {sorted(_CHECK_LEVEL)}, got {image_check!r}")
-    path = Path(annotations)
-    # entries are parsed one at a time: a COCO-sized file is never in memory as Python objects (only what is kept)
-    raw_images = iter_array_field(path, "images", "annotation", DatasetError, DatasetError)
-
+    path, out = Path(annotations), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rejected: list[Rejection] = []
     dropped: list[Rejection] = []
     excluded: list[Rejection] = []
-    candidates: list[tuple[int, ImageEntry]] = []
-    first_seen: dict[int, int] = {}
+    ids: list[np.ndarray] = []
+    idxs: list[np.ndarray] = []
     n = 0
-    for idx, entry in enumerate(raw_images):
-        n = idx + 1
-        if not isinstance(entry, dict):
-            raise DatasetError(f"{path}: images[{idx}] must be an object, got {type(entry).__name__}")
-        image_id = _image_id(entry, idx, path)
-        filename = _require(entry, "filename", idx, path, (str,))
-        filepath = entry.get("filepath", "") or ""
-        if not isinstance(filepath, str):
-            raise DatasetError(f"{path}: images[{idx}].filepath must be a string")
-        rel = f"{filepath}/{filename}" if filepath else filename
-        if "\0" in rel or not _encodable(rel):
-            raise DatasetError(f"{path}: images[{idx}] file name {rel!r} holds a NUL byte or invalid Unicode "
-                               "(a lone surrogate): fix the entry's filepath/filename")
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise DatasetError(f"{path}: images[{idx}] file {rel!r} must be relative to the images root")
-        split = _require(entry, "split", idx, path, (str,))
-        if split not in KARPATHY_SPLITS:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".ingest-") as tmp, progress_bar(
+            desc="reading + checking images", enabled=progress, unit="img") as bar:
+        checks = (_FileChecks(images_root, image_check, hash_cache, hash_workers, bar)
+                  if images_root is not None else None)
+        runs = RunWriter(Path(tmp), run_rows)
+        seen_ids: list[int] = []
+
+        def flush() -> None:
+            bad = checks.failed(runs.pending, rejected) if checks is not None else set()
+            runs.write(lambda idx, e: idx not in bad)
+            ids.append(np.asarray(seen_ids, np.int64))
+            idxs.append(np.arange(n - len(seen_ids), n, dtype=np.int64))
+            seen_ids.clear()
+
+        # entries are parsed one at a time: a COCO-sized file is never in memory as Python objects
+        for idx, entry in enumerate(iter_array_field(path, "images", "annotation", DatasetError, DatasetError)):
+            n = idx + 1
+            image_id, cand = _parse_entry(entry, idx, path, max_words, restval_split, dropped, excluded, rejected)
+            seen_ids.append(image_id)
+            if cand is not None:
+                runs.add(idx, cand)
+            if runs.full or len(seen_ids) >= 4 * run_rows:
+                flush()
+        flush()
+        if checks is not None:
+            checks.cache.close()
+        # a repeated image id is rejected whatever else its entry holds: what was recorded for it goes
+        dups = _duplicates(ids, idxs)
+        if dups:
+            rejected = [r for r in rejected if r.entry not in dups]
+            dropped = [r for r in dropped if r.entry not in dups]
+            excluded = [r for r in excluded if r.entry not in dups]
+            rejected += _duplicate_rejections(path, dups)
+        rejected.sort(key=lambda r: r.entry)
+        if n and len(rejected) / n > max_reject_fraction:
+            listing = "\n".join(f"  images[{r.entry}] image_id={r.image_id} {r.file}: {r.reason}" for r in rejected)
             raise DatasetError(
-                f"{path}: images[{idx}] (image_id {image_id}) has unknown split {split!r}; "
-                f"expected one of {sorted(KARPATHY_SPLITS)}"
+                f"{path}: {len(rejected)} of {n} entries are bad ({len(rejected) / n:.1%} > "
+                f"dataset.max_reject_fraction={max_reject_fraction}):\n{listing}\n"
+                "Fix or remove these entries, or raise dataset.max_reject_fraction to skip them."
             )
-        sentences = _require(entry, "sentences", idx, path, (list,))
-        if image_id in first_seen:
-            rejected.append(
-                Rejection(idx, image_id, rel,
-                          f"duplicate image_id {image_id} (first at images[{first_seen[image_id]}])")
-            )
-            continue
-        first_seen[image_id] = idx
-        if split == "restval":
-            if restval_split == "drop":
-                excluded.append(Rejection(idx, image_id, rel, "restval entry excluded (dataset.restval_split=drop)"))
-                continue
-            split = restval_split
-        caps: list[str] = []
-        sids: list[int] = []
-        for k, sent in enumerate(sentences):
-            sid = sent.get("sentid", k) if isinstance(sent, dict) else k
-            if not isinstance(sent, dict):
-                dropped.append(Rejection(idx, image_id, rel, "sentence is not an object", sid))
-                continue
-            text = sent.get("raw")
-            if isinstance(text, str) and not _encodable(text):
-                dropped.append(Rejection(idx, image_id, rel, "caption is invalid Unicode (a lone surrogate such "
-                                         "as \\ud800)", sid))
-                continue
-            if isinstance(text, str):
-                toks = tokenize(text, max_words)
-            elif isinstance(sent.get("tokens"), list) and all(isinstance(t, str) and _encodable(t)
-                                                              for t in sent["tokens"]):
-                toks = tokenize(" ".join(sent["tokens"]), max_words)
-            else:
-                dropped.append(Rejection(idx, image_id, rel, "sentence has neither 'raw' text nor 'tokens'", sid))
-                continue
-            if not toks:
-                dropped.append(Rejection(idx, image_id, rel, "empty caption (no words after tokenisation)", sid))
-                continue
-            caps.append(" ".join(toks))
-            sids.append(int(sid) if isinstance(sid, int) else k)
-        if not caps:
-            rejected.append(Rejection(idx, image_id, rel, "no captions (none non-empty)"))
-            continue
-        candidates.append((idx, ImageEntry(image_id, rel, split, caps, sids)))
-
-    files_checked = images_root is not None
-    if files_checked:
-        root = Path(images_root)
-        if not root.is_dir():
-            raise DatasetError(f"images root {root} is not a folder")
-        cache = FileHashCache(hash_cache)
-        real_root = root.resolve()
-
-        def check(batch: list[tuple[int, ImageEntry]]) -> list[tuple[int, str, str | None]]:
-            return [_check_file(root / e.file, image_check, cache, real_root) for _, e in batch]
-
-        # files in batches: one pool task per file costs more than hashing a cached or small file
-        step = 64
-        batches = [candidates[i: i + step] for i in range(0, len(candidates), step)]
-        results: list[tuple[int, str, str | None]] = []
-        with ThreadPoolExecutor(max_workers=hash_workers) as pool, progress_bar(
-                total=len(candidates), desc="checking images", enabled=progress, unit="img") as bar:
-            for got in pool.map(check, batches):
-                results += got
-                bar.update(len(got))
-        cache.save()
-        kept: list[ImageEntry] = []
-        for (idx, e), (size, digest, reason) in zip(candidates, results, strict=True):
-            if reason:
-                rejected.append(Rejection(idx, e.image_id, e.file, reason))
-            else:
-                e.size, e.sha256 = size, digest
-                kept.append(e)
-    else:
-        kept = [e for _, e in candidates]
-    rejected.sort(key=lambda r: r.entry)
-
-    ds = Dataset(
-        images=sorted(kept, key=lambda e: e.image_id),
-        rejected=rejected,
-        dropped_captions=dropped,
-        excluded=excluded,
-        source=str(path),
+        for r in rejected:
+            log.warning("rejected images[%d] image_id=%s %s: %s", r.entry, r.image_id, r.file, r.reason)
         # absolute: the normalised dataset is read by other processes too (Dask workers), in other directories
-        images_root=os.path.abspath(images_root) if images_root is not None else None,
-        files_checked=files_checked,
-        entries=n,
-    )
-    if n and len(rejected) / n > max_reject_fraction:
-        listing = "\n".join(f"  images[{r.entry}] image_id={r.image_id} {r.file}: {r.reason}" for r in rejected)
-        raise DatasetError(
-            f"{path}: {len(rejected)} of {n} entries are bad ({len(rejected) / n:.1%} > "
-            f"dataset.max_reject_fraction={max_reject_fraction}):\n{listing}\n"
-            "Fix or remove these entries, or raise dataset.max_reject_fraction to skip them."
-        )
-    for r in rejected:
-        log.warning("rejected images[%d] image_id=%s %s: %s", r.entry, r.image_id, r.file, r.reason)
-    if not ds.images:
-        raise DatasetError(f"{path}: no usable images")
-    ds.digest = dataset_digest(ds)
-    return ds
+        writer = DatasetWriter(out, source=str(path), files_checked=checks is not None,
+                               images_root=os.path.abspath(images_root) if images_root is not None else None)
+        try:
+            for e in merge_runs(runs.paths, skip=dups.__contains__):
+                writer.add(e)
+        except BaseException:
+            writer.abort()
+            raise
+        if not writer.head["images"]:
+            writer.abort()
+            raise DatasetError(f"{path}: no usable images")
+        return writer.close(entries=n, rejected=rejected, dropped_captions=dropped, excluded=excluded)
+def read_karpathy(annotations: str | Path, images_root: str | Path | None = None, **options: Any) -> Dataset:
+    """:func:`ingest_karpathy` into a temporary file, read back whole (small datasets and tests)."""
+    with tempfile.TemporaryDirectory(prefix="capflow-dataset-") as tmp:
+        return Dataset.from_file(ingest_karpathy(annotations, images_root, Path(tmp) / "dataset.parquet", **options))
+
+
+def file_digest(path: str | Path) -> str:
+    """The digest of a normalised dataset file recomputed from its entries (streamed), to check it against the
+    digest it records."""
+    return _digest(open_dataset(path).iter_entries())
+
+
+def _digest(entries: Iterable[ImageEntry]) -> str:
+    h = DigestHasher()
+    for e in entries:
+        h.add(e.image_id, e.file, e.split, e.captions, e.size, e.sha256)
+    return h.hexdigest()
 
 
 def dataset_digest(ds: Dataset) -> str:
-    """sha256 over the normalised annotations and every kept image file's size and content hash."""
-    h = hashlib.sha256()
-    h.update(FORMAT_VERSION.encode())
-    for e in ds.images:  # sorted by image_id
-        rec = [e.image_id, e.file, e.split, e.captions, e.size, e.sha256]
-        h.update(json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode())
-        h.update(b"\n")
-    return h.hexdigest()
+    """sha256 over the normalised annotations and every kept image file's size and content hash
+    (:class:`captioning.data.entries.DigestHasher`, which the dataset file's writer feeds as it writes)."""
+    return _digest(ds.images)  # sorted by image_id

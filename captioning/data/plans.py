@@ -40,7 +40,7 @@ class ExtractPlan:
     weights_cache: Path
     run_store: str | None
     synthetic: SyntheticConfig  # the synthetic dataset's settings (names an informative store)
-    synthetic_dataset: bool  # the dataset is the synthetic one (dataset.annotations unset)
+    synthetic_dataset: bool  # the dataset is the synthetic one (dataset.format karpathy, dataset.annotations unset)
     seed: int
 
 
@@ -58,5 +58,6 @@ def vocab_plan(cfg: PipelineConfig) -> VocabPlan:
 def extract_plan(cfg: PipelineConfig) -> ExtractPlan:
     return ExtractPlan(features=cfg.features, store_folder=cfg.feature_store_uri(),
                        weights_cache=Workdir.of(cfg).weights_cache(), run_store=cfg.run.store,
-                       synthetic=cfg.dataset.synthetic, synthetic_dataset=cfg.dataset.annotations is None,
+                       synthetic=cfg.dataset.synthetic,
+                       synthetic_dataset=cfg.dataset.annotations is None and cfg.dataset.format == "karpathy",
                        seed=cfg.run.seed)

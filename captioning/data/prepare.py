@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -17,7 +19,8 @@ import numpy as np
 from PIL import Image
 
 from captioning.config import SyntheticConfig
-from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, read_karpathy
+from captioning.data.columnar import DatasetFile
+from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, ImageEntry, ingest_karpathy
 from captioning.data.plans import IngestPlan, VocabPlan
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.data.text import Vocabulary, build_vocabulary
@@ -45,26 +48,58 @@ def synthetic_dataset(s: SyntheticConfig, out: Path, progress: bool = False) -> 
 
 
 def ingest(plan: IngestPlan, progress: bool = False) -> Dataset:
-    """Read + validate the plan's dataset (generating the synthetic one if no annotations are set)."""
+    """:func:`ingest_file` into a temporary file, read back whole (small datasets, tests)."""
+    with tempfile.TemporaryDirectory(prefix="capflow-dataset-") as tmp:
+        return Dataset.from_file(ingest_file(plan, Path(tmp) / "dataset.parquet", progress))
+
+
+def _karpathy_input(plan: IngestPlan, out: Path, progress: bool) -> tuple[Path, DatasetFile]:
     d = plan.dataset
     if d.annotations is None:
         ann, images = synthetic_dataset(d.synthetic, plan.synthetic_dir, progress)
     else:
         ann, images = Path(d.annotations), (Path(d.images) if d.images else None)
-    ds = read_karpathy(
-        ann, images, max_words=d.max_words, restval_split=d.restval_split, image_check=d.image_check,
+    return ann, ingest_karpathy(
+        ann, images, out, max_words=d.max_words, restval_split=d.restval_split, image_check=d.image_check,
         max_reject_fraction=d.max_reject_fraction, hash_workers=d.hash_workers or min(4, usable_cpus()),
         hash_cache=plan.hash_cache, progress=progress,
     )
-    counts = {s: len(ds.split(s)) for s in ("train", "val", "test")}
+
+
+def _webdataset_input(plan: IngestPlan, out: Path, progress: bool) -> tuple[Path, DatasetFile]:
+    from captioning.data.shards import ingest_webdataset
+
+    d = plan.dataset
+    root = Path(d.images or ".")
+    return root, ingest_webdataset(
+        root, out, shards=d.shards.files, metadata=d.shards.metadata, val_images=d.shards.val_images,
+        test_images=d.shards.test_images, max_split_fraction=d.shards.max_split_fraction, max_words=d.max_words,
+        image_check=d.image_check, max_reject_fraction=d.max_reject_fraction,
+        hash_workers=d.hash_workers or min(4, usable_cpus()), hash_cache=plan.hash_cache, progress=progress)
+
+
+# dataset.format -> the reader of that input: (what it read, the normalised dataset file it wrote)
+INPUT_FORMATS: dict[str, Callable[[IngestPlan, Path, bool], tuple[Path, DatasetFile]]] = {
+    "karpathy": _karpathy_input,  # a Karpathy JSON + images root, or the synthetic dataset
+    "webdataset": _webdataset_input,  # img2dataset tar shards (+ Parquet metadata): captioning.data.shards
+}
+
+
+def ingest_file(plan: IngestPlan, out: str | Path, progress: bool = False) -> DatasetFile:
+    """Read + validate the plan's dataset (generating the synthetic one if no annotations are set) into the
+    normalised dataset file ``out``, streaming."""
+    source, f = INPUT_FORMATS[plan.dataset.format](plan, Path(out), progress)
+    counts = f.head["splits"]
     missing = [s for s in ("train", "val", "test") if not counts.get(s)]
     if missing:  # the pipeline validates on val and scores on test: fail now, not after extraction and training
+        f.path.unlink()
         raise DatasetError(
-            f"{ann}: no usable images in the {' and '.join(missing)} split{'s' if len(missing) > 1 else ''} "
+            f"{source}: no usable images in the {' and '.join(missing)} split{'s' if len(missing) > 1 else ''} "
             f"(usable images per split: {', '.join(f'{s} {counts.get(s, 0)}' for s in ('train', 'val', 'test'))}). "
             "capflow trains on train, validates on val and scores on test: give every split images (Karpathy "
-            "'split' field; dataset.restval_split moves 'restval' images)")
-    return ds
+            "'split' field, dataset.restval_split for 'restval' images; dataset.shards.val_images/test_images "
+            "for shards)")
+    return f
 
 
 @dataclass
@@ -76,47 +111,61 @@ class LabelResult:
 
 
 def build_labels(
-    ds: Dataset, vocab: Vocabulary, uri: str, max_words: int, image_rows: dict[int, int] | None = None,
+    ds: Dataset | DatasetFile, vocab: Vocabulary, uri: str, max_words: int, image_rows: dict[int, int] | None = None,
     overwrite: bool = True,
 ) -> LabelStore:
     """Write the ground-truth label store. ``image_rows`` maps image id -> feature-store row (default: the
-    dataset's own order, which is the order a feature store built from it uses)."""
-    if image_rows is None:
-        image_rows = {e.image_id: i for i, e in enumerate(ds.images)}
-    missing = {e.image_id for e in ds.images if e.image_id not in image_rows}
-    if missing:
-        raise DatasetError(f"{len(missing)} images have no feature-store row, e.g. {sorted(missing)[:5]}")
-    n = len(ds.images)
-    per_image = np.fromiter((len(e.captions) for e in ds.images), np.int64, n)
-    m = int(per_image.sum())
-    rows = np.repeat(np.fromiter((image_rows[e.image_id] for e in ds.images), np.int32, n), per_image)
-    ids = np.repeat(np.fromiter((e.image_id for e in ds.images), np.int64, n), per_image)
-    split = np.repeat(np.fromiter((SPLIT_CODES[e.split] for e in ds.images), np.int8, n), per_image)
+    dataset's own order, which is the order a feature store built from it uses). The dataset is read entry by
+    entry; only the label arrays themselves are whole."""
+    m = ds.num_captions
+    rows = np.zeros(m, np.int32)
+    ids = np.zeros(m, np.int64)
+    split = np.zeros(m, np.int8)
     tokens = np.zeros((m, max_words), np.int32)
     length = np.zeros(m, np.int16)
+    missing: list[int] = []
     k = 0
-    block = 4096  # images per pass: the words of a block as Python strings at a time, not those of the dataset
-    for b in range(0, n, block):
-        words = [c.split()[:max_words] for e in ds.images[b: b + block] for c in e.captions]
+    block: list[tuple[int, ImageEntry]] = []  # (row, entry): a block's words as Python strings, not the dataset's
+
+    def flush() -> None:
+        nonlocal k
+        words = [c.split()[:max_words] for _, e in block for c in e.captions]
         lens = np.fromiter(map(len, words), np.int64, len(words))
         flat = vocab.encode_flat(chain.from_iterable(words), int(lens.sum()))
         at = np.repeat(np.arange(k, k + len(words)), lens)
         tokens[at, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
         length[k: k + len(words)] = lens
+        per = np.fromiter((len(e.captions) for _, e in block), np.int64, len(block))
+        rows[k: k + len(words)] = np.repeat(np.asarray([r for r, _ in block], np.int64), per)
+        ids[k: k + len(words)] = np.repeat(np.asarray([e.image_id for _, e in block], np.int64), per)
+        split[k: k + len(words)] = np.repeat(np.asarray([SPLIT_CODES[e.split] for _, e in block], np.int8), per)
         k += len(words)
+        block.clear()
+
+    for i, e in enumerate(ds.iter_entries()):
+        row = i if image_rows is None else image_rows.get(e.image_id)
+        if row is None:
+            missing.append(e.image_id)
+            continue
+        block.append((row, e))
+        if len(block) >= 4096:
+            flush()
+    flush()
+    if missing:
+        raise DatasetError(f"{len(missing)} images have no feature-store row, e.g. {sorted(missing)[:5]}")
     return LabelStore.create(
         uri, tokens, length, rows, ids, split, overwrite=overwrite,
         attrs={"dataset_digest": ds.digest, "vocab_digest": vocab.digest()},
     )
 
 
-def vocab_and_labels(plan: VocabPlan, ds: Dataset, out: str | Path, image_rows: dict[int, int] | None = None
-                     ) -> LabelResult:
+def vocab_and_labels(plan: VocabPlan, ds: Dataset | DatasetFile, out: str | Path,
+                     image_rows: dict[int, int] | None = None) -> LabelResult:
     """Vocabulary from the train split -> ``<out>/vocab.json`` and ``<out>/labels.zarr``."""
-    if not any(e.captions for e in ds.images if e.split == "train"):
-        raise DatasetError("the dataset has no train captions to build a vocabulary from")
     # counted as they are split (a list of every train caption's words would be the largest object of the stage)
     vocab = build_vocabulary(ds.captions("train"), plan.min_count, plan.radix_base)
+    if not vocab.words and not vocab.unk_count:
+        raise DatasetError("the dataset has no train captions to build a vocabulary from")
     out = Path(out)
     vocab_path = vocab.save(out / "vocab.json")
     uri = str(out / "labels.zarr")

@@ -1,6 +1,8 @@
 """Image loading for feature extraction: decode fully, convert to RGB, or reject with a human-readable reason.
 
-``load_rgb`` is the only entry point. Whatever is wrong with the *content* of a file (missing, empty, not an
+``load_rgb`` is the only entry point; besides a file path it takes a tar-shard member reference
+``<shard>.tar#<offset>:<size>`` (images of a WebDataset dataset, read as a byte range of the shard:
+:mod:`captioning.data.tar_members`). Whatever is wrong with the *content* of a file (missing, empty, not an
 image, truncated or corrupt, too large, too small, an unsupported pixel mode) comes out as
 :class:`ImageRejected` with a ``reason`` that the pipeline stores next to the image's row, so one bad file never
 stops a run.
@@ -22,11 +24,14 @@ default); this module never changes that process-wide switch.
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from captioning.data.tar_members import MemberError, MemberRef, read_member
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +61,9 @@ def load_rgb(path: str | Path, *, min_side: int = 16, max_pixels: int = 100_000_
     limit is checked on the header's size before any pixel is decoded.
     """
     p = Path(path)
+    source = _source(path)
     try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ImageRejected(f"missing file: {p}") from None
-    except OSError as e:
-        raise ImageRejected(f"cannot read file {p}: {_describe_error(e)}") from None
-    if not p.is_file():
-        raise ImageRejected(f"not a regular file: {p}")
-    if st.st_size == 0:
-        raise ImageRejected(f"zero-byte file: {p}")
-
-    try:
-        im = Image.open(p)
+        im = Image.open(source)
     except UnidentifiedImageError:
         raise ImageRejected(f"not an image (unrecognised format): {p.name}") from None
     except Image.DecompressionBombError as e:
@@ -102,6 +97,31 @@ def load_rgb(path: str | Path, *, min_side: int = 16, max_pixels: int = 100_000_
             raise
         except Exception as e:
             raise ImageRejected(f"cannot convert {fmt} ({im.mode}) to RGB: {_describe_error(e)}") from None
+
+
+def _source(path: str | Path) -> Path | io.BytesIO:
+    """What Pillow opens for ``path``: the file, or the bytes of a tar-shard member when ``path`` is a member
+    reference ``<shard>.tar#<offset>:<size>`` (:mod:`captioning.data.tar_members`; WebDataset ingest records
+    those; checked: range inside the shard, a tar header of that size before it). :class:`ImageRejected` when
+    neither can be read."""
+    ref = MemberRef.parse(path)
+    if ref is not None:  # an image inside a WebDataset shard
+        try:
+            return io.BytesIO(read_member(ref))
+        except MemberError as e:
+            raise ImageRejected(str(e)) from None
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ImageRejected(f"missing file: {p}") from None
+    except OSError as e:
+        raise ImageRejected(f"cannot read file {p}: {_describe_error(e)}") from None
+    if not p.is_file():
+        raise ImageRejected(f"not a regular file: {p}")
+    if st.st_size == 0:
+        raise ImageRejected(f"zero-byte file: {p}")
+    return p
 
 
 def _oriented(im: Image.Image) -> Image.Image:
@@ -164,7 +184,8 @@ def decoded_bytes(path: str | Path) -> int:
     """What decoding the image at ``path`` costs in memory: its pixels times its mode's bytes per pixel plus the
     RGB copy, from the header alone (no pixel is decoded); :class:`ImageRejected` for a file that is not an image."""
     try:
-        with Image.open(path) as im:
+        source = io.BytesIO(read_member(ref)) if (ref := MemberRef.parse(path)) is not None else path
+        with Image.open(source) as im:
             w, h = im.size
             per = MODE_BYTES.get(im.mode, 4)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:

@@ -4,9 +4,11 @@ flow stores each pending image once, by content, and a chunk item names it ``blo
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from captioning.data.karpathy import Dataset
+from captioning.data.tar_members import MemberError
 
 BLOB = "blob:"  # a chunk item's image read from the run store by its sha256
 
@@ -14,8 +16,6 @@ BLOB = "blob:"  # a chunk item's image read from the run store by its sha256
 def load_stored(store_uri: str, sha: str, *, min_side: int, max_pixels: int):
     """An image of the run store decoded like a file (:func:`load_rgb`); the local copy is removed afterwards. A
     store that cannot give the image raises (the chunk's task fails and runs again), it is not a rejected image."""
-    import tempfile
-
     from captioning.features.images import load_rgb
     from captioning.objectstore import ObjectStore
 
@@ -42,8 +42,22 @@ def publish_images(store_uri: str, ds: Dataset,
         rewritten = []
         for row, path in items:
             try:
-                rewritten.append((row, BLOB + store.put_blob(path, sha.get(row) or None)))
-            except OSError:
+                rewritten.append((row, BLOB + _put(store, path, sha.get(row) or None)))
+            except (OSError, MemberError):
                 rewritten.append((row, path))
         out.append((c, rewritten))
     return out
+
+
+def _put(store, path: str, sha: str | None) -> str:
+    """The image at ``path`` stored as a blob; a tar-shard member (``<shard>.tar#<offset>:<size>``, WebDataset
+    ingest) is stored as its own bytes, so that a worker never needs the shard."""
+    from captioning.data.tar_members import MemberRef, read_member
+
+    ref = MemberRef.parse(path)
+    if ref is None:
+        return store.put_blob(path, sha)
+    with tempfile.TemporaryDirectory(prefix="capflow-member-") as tmp:  # a shard member
+        local = Path(tmp) / "image"
+        local.write_bytes(read_member(ref))
+        return store.put_blob(local, sha)

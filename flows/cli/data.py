@@ -161,7 +161,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("ingest", help="read and validate the dataset", description=(
         "Read and validate the Karpathy-format dataset (dataset.annotations + dataset.images, or the synthetic "
         "dataset when no annotations are set); write the normalised dataset and the reject list to the workdir "
-        "(datasets/dataset-<digest>.json, datasets/rejects-<digest>.json)."))
+        "(datasets/dataset-<digest>.parquet, datasets/rejects-<digest>.json)."))
     config_args(i)
     tracking_args(i)
     i.add_argument("--json", action="store_true", help="print a JSON summary")

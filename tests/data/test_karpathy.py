@@ -21,6 +21,7 @@ import pytest
 from captioning.data.karpathy import (
     Dataset,
     DatasetError,
+    FileHashCache,
     check_image_bytes,
     dataset_digest,
     read_karpathy,
@@ -589,11 +590,11 @@ def count_reads(monkeypatch: pytest.MonkeyPatch):
 
 def test_hash_cache_skips_unchanged_files(clean_copy: Path, tmp_path: Path, count_reads: list[str]) -> None:
     ann, root = clean_copy / "dataset.json", clean_copy / "images"
-    cache = tmp_path / "cache" / "hashes.json"
+    cache = tmp_path / "cache" / "hashes.sqlite"
     first = read_karpathy(ann, root, hash_cache=cache)
     assert len(count_reads) == 24 and len(set(count_reads)) == 24
     assert cache.is_file()
-    cached = json.loads(cache.read_text())
+    cached = FileHashCache(cache).entries()
     assert len(cached) == 24
     for e in first.images:
         size, _mtime, digest, mode = cached[str(root / e.file)]
@@ -630,7 +631,7 @@ def test_hash_cache_skips_unchanged_files(clean_copy: Path, tmp_path: Path, coun
 
 
 def test_hash_cache_does_not_remember_bad_files(faulty: Faulty, tmp_path: Path, count_reads: list[str]) -> None:
-    cache = tmp_path / "hashes.json"
+    cache = tmp_path / "hashes.sqlite"
     a = read_karpathy(faulty.annotations, faulty.images, hash_cache=cache, max_reject_fraction=0.5)
     count_reads.clear()
     b = read_karpathy(faulty.annotations, faulty.images, hash_cache=cache, max_reject_fraction=0.5)
@@ -642,28 +643,85 @@ def test_hash_cache_does_not_remember_bad_files(faulty: Faulty, tmp_path: Path, 
 
 
 def test_corrupt_hash_cache_is_ignored(clean_copy: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "hashes.json"
-    cache.write_text("{not json")
+    cache = tmp_path / "hashes.sqlite"
+    cache.write_text("{not json")  # e.g. a cache of an earlier version
     ds = read_karpathy(clean_copy / "dataset.json", clean_copy / "images", hash_cache=cache)
     assert len(ds.images) == 24
-    assert len(json.loads(cache.read_text())) == 24
+    assert len(FileHashCache(cache).entries()) == 24
+
+
+def test_hash_cache_is_not_written_through_a_link(clean_copy: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.db"
+    elsewhere.write_bytes(b"")
+    cache = tmp_path / "hashes.sqlite"
+    cache.symlink_to(elsewhere)
+    read_karpathy(clean_copy / "dataset.json", clean_copy / "images", hash_cache=cache)
+    assert not cache.is_symlink() and len(FileHashCache(cache).entries()) == 24
+    assert elsewhere.read_bytes() == b""
 
 
 # ---------------------------------------------------------------------- persistence
 def test_save_load_round_trip(faulty: Faulty, tmp_path: Path) -> None:
+    from captioning.data.columnar import DatasetFile
+
     ds = read_karpathy(faulty.annotations, faulty.images, max_reject_fraction=0.5)
     assert ds.rejected and ds.dropped_captions
-    p = ds.save(tmp_path / "out" / "dataset.json")
-    assert p == tmp_path / "out" / "dataset.json"
-    assert not p.with_suffix(".json.tmp").exists()
-    raw = json.loads(p.read_bytes().decode("utf-8"))
-    assert raw["format"] == "capflow-dataset/1" and raw["digest"] == ds.digest
+    p = ds.save(tmp_path / "out" / "dataset.parquet")
+    assert p == tmp_path / "out" / "dataset.parquet"
+    assert [q.name for q in p.parent.iterdir()] == ["dataset.parquet"]  # no partial file left
+    f = DatasetFile(p)
+    assert f.head["format"] == "capflow-dataset/2" and f.digest == ds.digest
+    assert (f.num_images, f.num_captions) == (len(ds.images), sum(len(e.captions) for e in ds.images))
+    assert f.column("image_id").tolist() == [e.image_id for e in ds.images]
+    assert list(f.captions("train")) == list(ds.captions("train"))
     loaded = Dataset.load(p)
     assert loaded == ds
     assert dataset_digest(loaded) == ds.digest
     assert loaded.summary() == ds.summary()
     uni = next(e for e in loaded.images if e.image_id == faulty.image_id(faulty.good["unicode"]))
     assert uni.captions[1].split() == FULLWIDTH_TOKENS
+
+
+def test_a_dataset_file_of_an_earlier_version_still_loads(faulty: Faulty, tmp_path: Path) -> None:
+    """Workdirs written before the columnar format hold ``dataset-<digest>.json`` (one JSON document): it loads
+    as it did, so their stage records still resolve."""
+    import dataclasses
+
+    ds = read_karpathy(faulty.annotations, faulty.images, max_reject_fraction=0.5)
+    doc = {"format": "capflow-dataset/1", "digest": ds.digest, "source": ds.source, "images_root": ds.images_root,
+           "files_checked": ds.files_checked, "entries": ds.entries,
+           "images": [dataclasses.asdict(e) for e in ds.images],
+           "rejected": [dataclasses.asdict(r) for r in ds.rejected],
+           "dropped_captions": [dataclasses.asdict(r) for r in ds.dropped_captions],
+           "excluded": [dataclasses.asdict(r) for r in ds.excluded]}
+    p = tmp_path / "dataset-old.json"
+    p.write_text(json.dumps(doc), encoding="utf-8")
+    assert Dataset.load(p) == ds
+
+
+def test_a_dataset_whose_digest_is_not_its_entries_is_not_written(faulty: Faulty, tmp_path: Path) -> None:
+    import dataclasses
+
+    ds = read_karpathy(faulty.annotations, faulty.images, max_reject_fraction=0.5)
+    with pytest.raises(DatasetError, match="not that of its entries"):
+        dataclasses.replace(ds, digest="0" * 64).save(tmp_path / "out" / "d.parquet")
+    assert not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("run_rows", [1, 3, 7])
+def test_ingest_in_small_runs_gives_the_dataset_of_one_run(faulty: Faulty, tmp_path: Path, run_rows: int) -> None:
+    """Ingest streams: candidates are checked, sorted and written ``run_rows`` at a time and the runs merged by
+    image id. However the entries fall into runs (a repeated image id in another run than its first), the dataset,
+    its digest and every rejection are those of a single run."""
+    from captioning.data.karpathy import ingest_karpathy
+
+    whole = read_karpathy(faulty.annotations, faulty.images, max_reject_fraction=0.5, run_rows=10_000)
+    f = ingest_karpathy(faulty.annotations, faulty.images, tmp_path / "d.parquet", max_reject_fraction=0.5,
+                        run_rows=run_rows)
+    assert Dataset.from_file(f) == whole
+    assert f.digest == whole.digest == dataset_digest(whole)
+    assert any("duplicate image_id" in r.reason for r in whole.rejected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.parquet", "faulty"]  # the runs are gone
 
 
 def test_load_rejects_other_json(tmp_path: Path) -> None:
@@ -685,7 +743,7 @@ def test_ingest_hashes_on_at_most_the_usable_cpus_by_default(tmp_path, monkeypat
         seen.append(kw["hash_workers"])
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(prepare, "read_karpathy", fake_read)
+    monkeypatch.setattr(prepare, "ingest_karpathy", fake_read)
     monkeypatch.setattr(prepare, "synthetic_dataset", lambda s, out, progress: (tmp_path / "a.json", tmp_path))
     cfg = load_config("tiny", overrides=[f"run.workdir={tmp_path}"])
     assert cfg.dataset.hash_workers is None

@@ -154,12 +154,12 @@ def test_ingest_json_on_planted_faults(capsys, synthetic_small: Path, tmp_path: 
     layout = Workdir(wd)
     saved = Dataset.load(layout.dataset(s["digest"]))
     assert saved.digest == s["digest"] and len(saved.images) == s["images"]
-    assert s["output"] == str(layout.dataset(s["digest"])) == str(wd / "datasets" / f"dataset-{s['digest'][:16]}.json")
+    assert s["output"] == str(layout.dataset(s["digest"])) == str(wd / "datasets" / f"dataset-{s['digest'][:16]}.parquet")
     assert s["rejects"] == str(layout.rejects(s["digest"]))
     rejects = json.loads(Path(s["rejects"]).read_text())
     assert [r["image_id"] for r in rejects["rejected"]] == [r["image_id"] for r in s["rejected"]]
     assert rejects["dropped_captions"] == s["dropped_captions"]
-    assert (wd / "cache" / "file_hashes.json").is_file()
+    assert (wd / "cache" / "file_hashes.sqlite").is_file()
 
 
 def test_ingest_text_output(capsys, synthetic_small: Path, tmp_path: Path) -> None:
@@ -190,7 +190,7 @@ def test_ingest_too_many_rejects_exits_2(capsys, synthetic_small: Path, tmp_path
     for idx in f.kept_entries():
         assert f"images[{idx}] " not in err
     assert "Traceback" not in err
-    assert not list(wd.glob("datasets/*.json"))
+    assert not list(wd.glob("datasets/*")) and not list(wd.glob("datasets/.*"))  # no dataset, no partial file, no run
 
 
 def test_ingest_malformed_json_exits_2(capsys, tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ def test_pipeline_end_to_end_lineage_cache_and_partial_rerun(harness, planted, t
 
     from captioning.data.karpathy import Dataset
 
-    ds = Dataset.load(next((tmp_path / "datasets").glob("dataset-*.json")))
+    ds = Dataset.load(next((tmp_path / "datasets").glob("dataset-*.parquet")))
     counts = Counter(c for e in ds.split("train") for c in e.captions)
     assert counts[base["caption"]] == max(counts.values())
     assert 0 <= base["metrics"]["CIDEr"] < 10 and "METEOR" not in base["metrics"]
