@@ -207,6 +207,39 @@ class RunWriter:
             self.paths.append(path)
 
 
+class FirstSeen:
+    """image id -> the entry index where it was first seen, for finding repeated ids while entries stream: the ids
+    folded into sorted numpy arrays (16 bytes an id; a dict of millions would take ~100), the latest in a small
+    dict."""
+
+    def __init__(self, fold_every: int = 65_536) -> None:
+        self.fold_every = fold_every
+        self._ids = np.zeros(0, np.int64)
+        self._idx = np.zeros(0, np.int64)
+        self._recent: dict[int, int] = {}
+
+    def first(self, image_id: int, idx: int) -> int:
+        """Where ``image_id`` was first seen: ``idx`` itself when it is new (and from now on remembered)."""
+        hit = self._recent.get(image_id)
+        if hit is not None:
+            return hit
+        k = int(np.searchsorted(self._ids, image_id))
+        if k < len(self._ids) and self._ids[k] == image_id:
+            return int(self._idx[k])
+        self._recent[image_id] = idx
+        if len(self._recent) >= self.fold_every:
+            self._fold()
+        return idx
+
+    def _fold(self) -> None:
+        n = len(self._recent)
+        ids = np.concatenate([self._ids, np.fromiter(self._recent.keys(), np.int64, n)])
+        idx = np.concatenate([self._idx, np.fromiter(self._recent.values(), np.int64, n)])
+        order = np.argsort(ids, kind="stable")
+        self._ids, self._idx = ids[order], idx[order]
+        self._recent.clear()
+
+
 def _run_rows(path: Path) -> Iterator[tuple[int, int, ImageEntry]]:
     pf = pq.ParquetFile(path)
     for b in pf.iter_batches(batch_size=MERGE_BATCH):
@@ -215,8 +248,7 @@ def _run_rows(path: Path) -> Iterator[tuple[int, int, ImageEntry]]:
             yield row[0], row[-1], ImageEntry(*row[:-1])
 
 
-def merge_runs(paths: Sequence[Path], skip: Callable[[int], bool] = lambda idx: False) -> Iterator[ImageEntry]:
-    """The runs' entries in (image id, entry) order, without those whose entry index ``skip`` names."""
-    for _, idx, e in heapq.merge(*(_run_rows(p) for p in paths), key=lambda r: (r[0], r[1])):
-        if not skip(idx):
-            yield e
+def merge_runs(paths: Sequence[Path]) -> Iterator[ImageEntry]:
+    """The runs' entries in (image id, entry) order."""
+    for _, _, e in heapq.merge(*(_run_rows(p) for p in paths), key=lambda r: (r[0], r[1])):
+        yield e

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from captioning.data.columnar import DatasetFile, DatasetWriter, RunWriter, is_columnar, merge_runs
+from captioning.data.columnar import DatasetFile, DatasetWriter, FirstSeen, RunWriter, is_columnar, merge_runs
 from captioning.data.entries import (
     DIGEST_FORMAT,
     SPLIT_CODES,
@@ -261,10 +260,10 @@ def _image_id(entry: dict, idx: int, path: Path) -> int:
     raise DatasetError(f"{path}: images[{idx}] is missing required field 'cocoid' (or 'imgid')")
 
 
-def _parse_entry(entry: Any, idx: int, path: Path, max_words: int, restval_split: str, dropped: list[Rejection],
-                 excluded: list[Rejection], rejected: list[Rejection]) -> tuple[int, ImageEntry | None]:
-    """(image id, the entry as a candidate or None when it is left out - recorded in the lists). Structural
-    faults raise :class:`DatasetError`."""
+def _parse_entry(entry: Any, idx: int, path: Path, max_words: int, restval_split: str, seen: FirstSeen,
+                 dropped: list[Rejection], excluded: list[Rejection], rejected: list[Rejection]) -> ImageEntry | None:
+    """The entry as a candidate, or None when it is left out (recorded in the lists). Structural faults raise
+    :class:`DatasetError`."""
     if not isinstance(entry, dict):
         raise DatasetError(f"{path}: images[{idx}] must be an object, got {type(entry).__name__}")
     image_id = _image_id(entry, idx, path)
@@ -285,10 +284,14 @@ def _parse_entry(entry: Any, idx: int, path: Path, max_words: int, restval_split
             f"expected one of {sorted(KARPATHY_SPLITS)}"
         )
     sentences = _require(entry, "sentences", idx, path, (list,))
+    first = seen.first(image_id, idx)
+    if first != idx:
+        rejected.append(Rejection(idx, image_id, rel, f"duplicate image_id {image_id} (first at images[{first}])"))
+        return None
     if split == "restval":
         if restval_split == "drop":
             excluded.append(Rejection(idx, image_id, rel, "restval entry excluded (dataset.restval_split=drop)"))
-            return image_id, None
+            return None
         split = restval_split
     caps: list[str] = []
     sids: list[int] = []
@@ -317,35 +320,8 @@ def _parse_entry(entry: Any, idx: int, path: Path, max_words: int, restval_split
         sids.append(int(sid) if isinstance(sid, int) else k)
     if not caps:
         rejected.append(Rejection(idx, image_id, rel, "no captions (none non-empty)"))
-        return image_id, None
-    return image_id, ImageEntry(image_id, rel, split, caps, sids)
-
-
-def _duplicates(ids: list[np.ndarray], idxs: list[np.ndarray]) -> dict[int, int]:
-    """entry index of every repeated image id -> the entry index of its first occurrence (numpy: 16 bytes an
-    entry, not a dict of every id)."""
-    image_ids, entry = np.concatenate(ids), np.concatenate(idxs)
-    order = np.lexsort((entry, image_ids))
-    image_ids, entry = image_ids[order], entry[order]
-    repeat = np.flatnonzero(image_ids[1:] == image_ids[:-1]) + 1
-    if not len(repeat):
-        return {}
-    starts = np.flatnonzero(np.r_[True, image_ids[1:] != image_ids[:-1]])
-    first = entry[starts[np.searchsorted(starts, repeat, side="right") - 1]]
-    return dict(zip(entry[repeat].tolist(), first.tolist(), strict=True))
-
-
-def _duplicate_rejections(path: Path, dups: dict[int, int]) -> list[Rejection]:
-    """The rejections of the repeated entries ``dups`` names, from a second pass over the annotations (only when
-    there are repeats: their file names were not kept)."""
-    out = []
-    for idx, entry in enumerate(iter_array_field(path, "images", "annotation", DatasetError, DatasetError)):
-        if idx in dups:
-            filepath, filename = entry.get("filepath", "") or "", entry["filename"]
-            image_id = _image_id(entry, idx, path)
-            out.append(Rejection(idx, image_id, f"{filepath}/{filename}" if filepath else filename,
-                                 f"duplicate image_id {image_id} (first at images[{dups[idx]}])"))
-    return out
+        return None
+    return ImageEntry(image_id, rel, split, caps, sids)
 
 
 class _FileChecks:
@@ -405,42 +381,31 @@ def ingest_karpathy(
     rejected: list[Rejection] = []
     dropped: list[Rejection] = []
     excluded: list[Rejection] = []
-    ids: list[np.ndarray] = []
-    idxs: list[np.ndarray] = []
+    seen = FirstSeen()
     n = 0
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".ingest-") as tmp, progress_bar(
             desc="reading + checking images", enabled=progress, unit="img") as bar:
         checks = (_FileChecks(images_root, image_check, hash_cache, hash_workers, bar)
                   if images_root is not None else None)
         runs = RunWriter(Path(tmp), run_rows)
-        seen_ids: list[int] = []
 
         def flush() -> None:
             bad = checks.failed(runs.pending, rejected) if checks is not None else set()
             runs.write(lambda idx, e: idx not in bad)
-            ids.append(np.asarray(seen_ids, np.int64))
-            idxs.append(np.arange(n - len(seen_ids), n, dtype=np.int64))
-            seen_ids.clear()
 
-        # entries are parsed one at a time: a COCO-sized file is never in memory as Python objects
-        for idx, entry in enumerate(iter_array_field(path, "images", "annotation", DatasetError, DatasetError)):
-            n = idx + 1
-            image_id, cand = _parse_entry(entry, idx, path, max_words, restval_split, dropped, excluded, rejected)
-            seen_ids.append(image_id)
-            if cand is not None:
-                runs.add(idx, cand)
-            if runs.full or len(seen_ids) >= 4 * run_rows:
-                flush()
-        flush()
-        if checks is not None:
-            checks.cache.close()
-        # a repeated image id is rejected whatever else its entry holds: what was recorded for it goes
-        dups = _duplicates(ids, idxs)
-        if dups:
-            rejected = [r for r in rejected if r.entry not in dups]
-            dropped = [r for r in dropped if r.entry not in dups]
-            excluded = [r for r in excluded if r.entry not in dups]
-            rejected += _duplicate_rejections(path, dups)
+        try:  # the hash cache is closed (its pending hashes written) whatever happens
+            # entries are parsed one at a time: a COCO-sized file is never in memory as Python objects
+            for idx, entry in enumerate(iter_array_field(path, "images", "annotation", DatasetError, DatasetError)):
+                n = idx + 1
+                cand = _parse_entry(entry, idx, path, max_words, restval_split, seen, dropped, excluded, rejected)
+                if cand is not None:
+                    runs.add(idx, cand)
+                    if runs.full:
+                        flush()
+            flush()
+        finally:
+            if checks is not None:
+                checks.cache.close()
         rejected.sort(key=lambda r: r.entry)
         if n and len(rejected) / n > max_reject_fraction:
             listing = "\n".join(f"  images[{r.entry}] image_id={r.image_id} {r.file}: {r.reason}" for r in rejected)
@@ -455,7 +420,7 @@ def ingest_karpathy(
         writer = DatasetWriter(out, source=str(path), files_checked=checks is not None,
                                images_root=os.path.abspath(images_root) if images_root is not None else None)
         try:
-            for e in merge_runs(runs.paths, skip=dups.__contains__):
+            for e in merge_runs(runs.paths):
                 writer.add(e)
         except BaseException:
             writer.abort()
@@ -464,6 +429,8 @@ def ingest_karpathy(
             writer.abort()
             raise DatasetError(f"{path}: no usable images")
         return writer.close(entries=n, rejected=rejected, dropped_captions=dropped, excluded=excluded)
+
+
 def read_karpathy(annotations: str | Path, images_root: str | Path | None = None, **options: Any) -> Dataset:
     """:func:`ingest_karpathy` into a temporary file, read back whole (small datasets and tests)."""
     with tempfile.TemporaryDirectory(prefix="capflow-dataset-") as tmp:

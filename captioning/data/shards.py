@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from captioning.data.columnar import DatasetFile, DatasetWriter, RunWriter, merge_runs
+from captioning.data.columnar import DatasetFile, DatasetWriter, FirstSeen, RunWriter, merge_runs
 from captioning.data.entries import DatasetError, ImageEntry, Rejection
 from captioning.data.karpathy import FileHashCache, check_image_bytes
 from captioning.data.tar_members import MemberRef
@@ -411,7 +411,7 @@ def ingest_webdataset(
     opts = _Options(root, max_words, image_check, metadata, FileHashCache(hash_cache))
     rejected: list[Rejection] = []
     dropped: list[Rejection] = []
-    first: dict[int, int] = {}  # image id -> its first entry: repeated keys, in any shard
+    first = FirstSeen()  # image id -> its first entry: repeated keys, in any shard
     starts: list[int] = []  # each shard's first entry (names the shard of an entry)
     kept: list[np.ndarray] = []
     n = 0
@@ -427,7 +427,7 @@ def ingest_webdataset(
                     idx, where = n, f"{scan.rel}:{s.key}"
                     n += 1
                     if s.image_id is not None:
-                        e0 = first.setdefault(s.image_id, idx)
+                        e0 = first.first(s.image_id, idx)
                         if e0 != idx:
                             shard0 = files[bisect.bisect_right(starts, e0) - 1][1]
                             rejected.append(Rejection(idx, s.image_id, where, f"duplicate key {s.key} (image id "

@@ -756,3 +756,14 @@ def test_ingest_hashes_on_at_most_the_usable_cpus_by_default(tmp_path, monkeypat
         prepare.ingest(ingest_plan(load_config("tiny", overrides=[f"run.workdir={tmp_path}",
                                                                   "dataset.hash_workers=3"])))
     assert seen[-1] == 3
+
+
+def test_first_seen_finds_repeats_across_folds() -> None:
+    """Repeated image ids are found while entries stream, in numpy arrays folded every ``fold_every`` ids: a
+    repeat of an id folded long ago, of one in the recent dict, and a new id (remembered from then on)."""
+    from captioning.data.columnar import FirstSeen
+
+    seen = FirstSeen(fold_every=4)
+    ids = [50, 10, 40, 30, 20, 60, 10, 70, 60, 50, 80, 90, 100, 5, 70]
+    got = [seen.first(i, k) for k, i in enumerate(ids)]
+    assert got == [0, 1, 2, 3, 4, 5, 1, 7, 5, 0, 10, 11, 12, 13, 7]
