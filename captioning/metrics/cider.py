@@ -27,6 +27,12 @@ table: n-grams not in it get df = 0 for that call only. :class:`CiderD` precompu
 tf-idf entries, per-order norms and length, and per image the sorted distinct n-grams of its references;
 :meth:`CiderD.score_batch` then scores a batch (e.g. 50 images x 5 samples) with one vectorised join of the
 candidates' n-grams against a dense (image n-gram x reference) weight block of their images.
+
+SCST's scorer (:meth:`CiderD.from_csr`) keeps the training references as compact arrays instead
+(:mod:`captioning.metrics.cider_refs`: flat tokens, caption and image offsets; the table's ids int32, the document
+counts int32, the idf by count): its document frequencies are counted a block of images at a time without
+per-(caption, n-gram) entries, and a batch's reference vectors are computed when it is scored, with the
+precomputation's own operations - the scores are those of the dict-built scorer bit for bit.
 """
 
 from __future__ import annotations
@@ -36,202 +42,32 @@ from itertools import chain, pairwise
 
 import numpy as np
 
+from captioning.metrics.cider_refs import CountIdf, CsrReferences, _NgramIndex
+from captioning.metrics.cider_refs import ragged_arange as _ragged_arange
+
 __all__ = ["CiderD", "DocumentFrequency"]
 
-_SHIFT = 32  # key of a k-gram (k >= 2): (prefix id << 32) | word id
 _EMPTY = np.zeros(0, np.int64)
 
 
-def _tokens(caption) -> list:
-    """A caption as a list of tokens: a string is split on white space (as pycocoevalcap does); a sequence of
-    token ids (list, tuple, numpy array, torch tensor) is taken as it is (numpy / torch ints become Python ints)."""
-    if isinstance(caption, str):
-        return caption.split()
-    if hasattr(caption, "tolist"):
-        caption = caption.tolist()
-    return list(caption)
-
-
-def _tokenize_all(captions: Sequence) -> list[list]:
-    try:
-        return list(map(str.split, captions))  # fast path: all strings
-    except TypeError:
-        return [_tokens(c) for c in captions]
-
-
-def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + c)`` for every (s, c)."""
-    total = int(counts.sum())
-    if total == 0:
-        return _EMPTY
-    first = np.cumsum(counts) - counts
-    return np.arange(total, dtype=np.int64) - np.repeat(first - starts, counts)
-
-
-class _NgramIndex:
-    """The n-gram table: word ids from a dict, k-gram ids (k >= 2) from sorted key arrays.
-
-    ``keys[k]`` (k = 2..n; ``keys[0]`` and ``keys[1]`` unused) is sorted; ``ids[k][i]`` is the id of the k-gram
-    with key ``keys[k][i]``. Word (1-gram) ids are the dict's values, 0..len(vocab)-1. Ids of each order are
-    dense, 0..sizes[k]-1, and stable: adding n-grams appends ids.
-    """
-
-    def __init__(self, n: int):
-        self.n = n
-        self.vocab: dict[Hashable, int] = {}
-        self.keys: list[np.ndarray] = [_EMPTY] * (n + 1)
-        self.ids: list[np.ndarray] = [_EMPTY] * (n + 1)
-        self.sizes: list[int] = [0] * (n + 1)
-
-    def copy(self) -> _NgramIndex:
-        new = _NgramIndex(self.n)
-        new.vocab = dict(self.vocab)
-        new.keys, new.ids, new.sizes = list(self.keys), list(self.ids), list(self.sizes)
-        return new
-
-    def __len__(self) -> int:
-        return len(self.vocab) + sum(self.sizes[2:])
-
-    def offsets(self) -> np.ndarray:
-        """Start of each order in the combined id space (``cid = offsets[k - 1] + id``), length n + 1."""
-        sizes = [len(self.vocab), *self.sizes[2:]]
-        return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-    def _find(self, k: int, q: np.ndarray) -> np.ndarray:
-        """Ids of the k-grams with keys q (-1 where absent)."""
-        keys = self.keys[k]
-        if len(keys) == 0 or len(q) == 0:
-            return np.full(len(q), -1, np.int64)
-        srt = np.argsort(q, kind="stable")  # sorted queries: cache-friendly binary searches
-        qs = q[srt]
-        pos = np.searchsorted(keys, qs)
-        np.minimum(pos, len(keys) - 1, out=pos)
-        out = np.empty(len(q), np.int64)
-        out[srt] = np.where(keys[pos] == qs, self.ids[k][pos], -1)
-        return out
-
-    def _add(self, k: int, q: np.ndarray) -> np.ndarray:
-        """Append the (distinct, absent) keys q to order k; returns their new ids. The keys are merged into the
-        sorted table (linear in its size: a table built block by block is not re-sorted per block)."""
-        new_ids = self.sizes[k] + np.arange(len(q), dtype=np.int64)
-        srt = np.argsort(q, kind="stable")
-        pos = np.searchsorted(self.keys[k], q[srt])
-        self.keys[k] = np.insert(self.keys[k], pos, q[srt])
-        self.ids[k] = np.insert(self.ids[k], pos, new_ids[srt])
-        self.sizes[k] += len(q)
-        return new_ids
-
-    def _word_ids(self, captions: Sequence, add: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Flat word ids of all captions and their lengths. Unknown tokens get distinct ids >= len(vocab) for
-        this call only (they are added to the vocabulary first with ``add=True``)."""
-        vocab = self.vocab
-        if len(captions) and all(isinstance(c, np.ndarray) and c.ndim == 1 and c.dtype.kind in "iu"
-                                 for c in captions):  # integer arrays: one dict look-up per distinct token
-            lengths = np.fromiter(map(len, captions), np.int64, len(captions))
-            values, inv = np.unique(np.concatenate(captions).astype(np.int64), return_inverse=True)
-            tokens = values.tolist()
-        else:
-            toks = _tokenize_all(captions)
-            lengths = np.fromiter(map(len, toks), np.int64, len(toks))
-            tokens, inv = list(chain.from_iterable(toks)), None
-        if add:
-            for t in tokens:
-                if t not in vocab:
-                    vocab[t] = len(vocab)
-        n_words = len(vocab)
-        w = np.fromiter(map(vocab.get, tokens, [-1] * len(tokens)), np.int64, len(tokens))
-        if not add and (w < 0).any():
-            local: dict[Hashable, int] = {}
-            for i in np.flatnonzero(w < 0).tolist():
-                w[i] = local.setdefault(tokens[i], n_words + len(local))
-        return (w if inv is None else w[inv.reshape(-1)]), lengths
-
-    def encode(self, captions: Sequence, add: bool = False, n: int | None = None):
-        """Term frequencies of the n-grams of every caption.
-
-        Returns ``(cap, order, gid, tf, lengths)``: one entry per distinct (caption, n-gram), ``order`` = k - 1,
-        ``gid`` = the n-gram's id within its order (-1 when it is not in the table), ``lengths`` = tokens per
-        caption. With ``add=True`` the missing words and n-grams are added first (then no gid is -1); otherwise
-        the table is left exactly as it is. ``n``: highest order (default: the table's).
-        """
-        n = self.n if n is None else min(n, self.n)
-        w, lengths = self._word_ids(captions, add)
-        n_words = len(self.vocab)  # ids >= n_words: words not in the table (this call only)
-        base = max(n_words, int(w.max()) + 1 if len(w) else 1)
-        n_caps = len(lengths)
-        cap = np.repeat(np.arange(n_caps, dtype=np.int64), lengths)
-        remaining = np.repeat(np.cumsum(lengths), lengths) - np.arange(len(w), dtype=np.int64)
-
-        out_cap, out_order, out_gid, out_tf = [], [], [], []
-        lid_pos = None  # compact local id of the (k-1)-gram starting at each position (-1: none)
-        gid_u = None  # table id of each local (k-1)-gram
-        for k in range(1, n + 1):
-            if k == 1:
-                starts = np.arange(len(w), dtype=np.int64)
-                u, inv = np.unique(w, return_inverse=True)
-                gid_k = np.where(u < n_words, u, -1)
-            else:
-                starts = np.flatnonzero(remaining >= k)
-                if len(starts) == 0:
-                    break
-                words = w[starts + (k - 1)]
-                u, inv = np.unique(lid_pos[starts] * base + words, return_inverse=True)
-                prefix_gid, word = gid_u[u // base], u % base
-                gid_k = np.full(len(u), -1, np.int64)
-                ok = (prefix_gid >= 0) & (word < n_words)
-                q = (prefix_gid[ok] << _SHIFT) | word[ok]
-                found = self._find(k, q)
-                if add:
-                    miss = found < 0
-                    if miss.any():
-                        found[miss] = self._add(k, q[miss])
-                gid_k[ok] = found
-            if len(starts) == 0:
-                break
-            n_u = len(u)
-            pair, tf = np.unique(cap[starts] * n_u + inv, return_counts=True)
-            local_id = pair % n_u
-            out_cap.append(pair // n_u)
-            out_order.append(np.full(len(pair), k - 1, np.int8))
-            out_gid.append(gid_k[local_id])
-            out_tf.append(tf)
-            lid_pos = np.full(len(w), -1, np.int64)
-            lid_pos[starts] = inv
-            gid_u = gid_k
-        if add:
-            self.sizes[1] = len(self.vocab)
-        if not out_cap:
-            return _EMPTY, np.zeros(0, np.int8), _EMPTY, _EMPTY, lengths
-        return (np.concatenate(out_cap), np.concatenate(out_order), np.concatenate(out_gid),
-                np.concatenate(out_tf).astype(np.int64), lengths)
-
-    def lookup(self, ngram: Sequence) -> tuple[int, int]:
-        """(order - 1, id) of one n-gram, id -1 when absent. Never adds."""
-        k = len(ngram)
-        if not 1 <= k <= self.n:
-            return max(k - 1, 0), -1
-        gid = self.vocab.get(ngram[0], -1)
-        for j in range(2, k + 1):
-            word = self.vocab.get(ngram[j - 1], -1)
-            if gid < 0 or word < 0:
-                return k - 1, -1
-            gid = int(self._find(j, np.array([(gid << _SHIFT) | word], np.int64))[0])
-        return k - 1, gid
-
-
+_PARTS = ("norm", "len", "cid", "rows", "ents", "row", "col", "tf")  # CiderD._reference_parts
 _BLOCK_REFS = 32_768  # references per block at least (temporary arrays: a few KB per reference)
 _MAX_BLOCKS = 16  # at most: table merges stay few, the work linear
 
 
 def _blocks(caps: list[list]) -> list[tuple[int, int]]:
     """Image ranges of the corpus ``caps`` holding ~max(32k, total/16) references each."""
-    counts = np.fromiter(map(len, caps), np.int64, len(caps))
+    return _block_edges(np.fromiter(map(len, caps), np.int64, len(caps)))
+
+
+def _block_edges(counts: np.ndarray) -> list[tuple[int, int]]:
+    """:func:`_blocks` from the number of references of each image."""
     if len(counts) == 0:
         return [(0, 0)]
     per = max(_BLOCK_REFS, -(-int(counts.sum()) // _MAX_BLOCKS))
     ends = np.cumsum(counts)
     cuts = np.searchsorted(ends, np.arange(per, int(ends[-1]), per), side="left") + 1
-    edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(caps))), len(caps)]
+    edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(counts))), len(counts)]
     return list(pairwise(edges))
 
 
@@ -253,11 +89,19 @@ def _as_references(references: Mapping[Hashable, Sequence] | None) -> tuple[list
 class _Corpus:
     """Encoded references: term frequencies per (reference, n-gram) and, per image, its distinct n-grams."""
 
-    def __init__(self, index: _NgramIndex, caps: list[list], n: int, add: bool = False):
-        flat = list(chain.from_iterable(caps))
-        self.n_refs = np.array([len(c) for c in caps], np.int64)
-        self.img_of_ref = np.repeat(np.arange(len(caps), dtype=np.int64), self.n_refs)
-        ref, order, gid, tf, self.lengths = index.encode(flat, add=add, n=n)
+    def __init__(self, index: _NgramIndex, caps: list[list] | None, n: int, add: bool = False,
+                 words: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+        """``caps``: per image its references; or ``words`` = (flat word ids, tokens per reference, references
+        per image)."""
+        if words is None:
+            flat = list(chain.from_iterable(caps))
+            self.n_refs = np.array([len(c) for c in caps], np.int64)
+            enc = index.encode(flat, add=add, n=n)
+        else:
+            self.n_refs = np.asarray(words[2], np.int64)
+            enc = index.encode(None, add=add, n=n, words=(words[0], words[1]))
+        self.img_of_ref = np.repeat(np.arange(len(self.n_refs), dtype=np.int64), self.n_refs)
+        ref, order, gid, tf, self.lengths = enc
         self.ref, self.order, self.tf = ref, order, tf
         self.cid = index.offsets()[order.astype(np.int64)] + gid
         self.complete = bool((gid >= 0).all())
@@ -386,31 +230,12 @@ class CiderD:
         # block of images at a time (the table is complete now: ids are final), so that the encoding's temporary
         # arrays stay those of a block; the blocks' parts are in image order, so they concatenate.
         n_refs = np.fromiter(map(len, caps), np.int64, len(caps))
-        cid_dtype = np.int32 if big < 2**31 else np.int64
-        col_dtype = np.int8 if len(n_refs) == 0 or n_refs.max() < 128 else np.int32
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("norm", "len", "cid", "rows", "ents", "row", "col",
-                                                               "tf")}
+        self._cid_dtype = np.int32 if big < 2**31 else np.int64
+        self._col_dtype = np.int8 if len(n_refs) == 0 or n_refs.max() < 128 else np.int32
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in _PARTS}
         for lo, hi in _blocks(caps):
-            corpus = _Corpus(index, caps[lo:hi], n)
-            n_img = hi - lo
-            ref_off = np.concatenate([[0], np.cumsum(corpus.n_refs)]).astype(np.int64)
-            weight = corpus.tf * self._idf[corpus.cid]
-            parts["norm"].append(np.sqrt(np.bincount(corpus.ref * n + corpus.order, weights=weight * weight,
-                                                     minlength=int(ref_off[-1]) * n)).reshape(-1, n))
-            del weight
-            parts["len"].append(self._length(corpus.lengths))
-            perm, rows, row_of = corpus.image_rows(big)
-            row_img = rows // big
-            parts["cid"].append((rows - row_img * big).astype(cid_dtype))
-            row_off = np.concatenate([[0], np.cumsum(np.bincount(row_img, minlength=n_img))]).astype(np.int64)
-            parts["rows"].append(np.diff(row_off))
-            ref_sorted = corpus.ref[perm]
-            img_sorted = corpus.img_of_ref[ref_sorted]
-            parts["ents"].append(np.bincount(img_sorted, minlength=n_img))
-            parts["row"].append((row_of - row_off[img_sorted]).astype(np.int32))  # row within its image
-            parts["col"].append((ref_sorted - ref_off[img_sorted]).astype(col_dtype))  # reference within image
-            parts["tf"].append(corpus.tf[perm])
-            del corpus, perm, rows, row_of, ref_sorted, img_sorted
+            for key, value in self._reference_parts(_Corpus(index, caps[lo:hi], n), hi - lo).items():
+                parts[key].append(value)
 
         def cat(name: str, dtype, shape: tuple[int, ...] = (0,)) -> np.ndarray:
             return np.concatenate(parts.pop(name)) if parts[name] else np.zeros(shape, dtype)
@@ -418,22 +243,129 @@ class CiderD:
         def offsets_of(name: str) -> np.ndarray:
             return np.concatenate([[0], np.cumsum(cat(name, np.int64))]).astype(np.int64)
 
+        self._csr = None
         self._img_ref_off = np.concatenate([[0], np.cumsum(n_refs)]).astype(np.int64)
         self._ref_norm = cat("norm", np.float64, (0, n))
         self._ref_len = cat("len", np.float64)
-        self._row_cid = cat("cid", cid_dtype)
+        self._row_cid = cat("cid", self._cid_dtype)
         self._img_row_off = offsets_of("rows")
         self._img_ent_off = offsets_of("ents")
         self._ent_row = cat("row", np.int32)
-        self._ent_col = cat("col", col_dtype)
+        self._ent_col = cat("col", self._col_dtype)
         tf = cat("tf", np.int64)
         self._ent_tf = tf.astype(np.uint16 if len(tf) == 0 or tf.max() < 2**16 else np.int64)
+
+    def _reference_parts(self, corpus: _Corpus, n_img: int) -> dict[str, np.ndarray]:
+        """The scoring arrays of the images of ``corpus`` (see :data:`_PARTS`): per reference its norms per order
+        and its length; per image its distinct n-grams (combined ids, sorted: "rows") and its entries (row within
+        the image, reference within the image, tf), sorted by row."""
+        n, big = self.n, self._big
+        out = {}
+        ref_off = np.concatenate([[0], np.cumsum(corpus.n_refs)]).astype(np.int64)
+        weight = corpus.tf * self._idf[corpus.cid]
+        out["norm"] = np.sqrt(np.bincount(corpus.ref * n + corpus.order, weights=weight * weight,
+                                          minlength=int(ref_off[-1]) * n)).reshape(-1, n)
+        del weight
+        out["len"] = self._length(corpus.lengths)
+        perm, rows, row_of = corpus.image_rows(big)
+        row_img = rows // big
+        out["cid"] = (rows - row_img * big).astype(self._cid_dtype)
+        row_off = np.concatenate([[0], np.cumsum(np.bincount(row_img, minlength=n_img))]).astype(np.int64)
+        out["rows"] = np.diff(row_off)
+        ref_sorted = corpus.ref[perm]
+        img_sorted = corpus.img_of_ref[ref_sorted]
+        out["ents"] = np.bincount(img_sorted, minlength=n_img)
+        out["row"] = (row_of - row_off[img_sorted]).astype(np.int32)  # row within its image
+        out["col"] = (ref_sorted - ref_off[img_sorted]).astype(self._col_dtype)  # reference within image
+        out["tf"] = corpus.tf[perm]
+        return out
+
+    def _image_arrays(self, u_img: np.ndarray):
+        """The scoring arrays of the images ``u_img`` (indices, distinct): ``(row_cid, row_count, ent_count,
+        ent_row, ent_col, ent_tf, ref_count, ref_norm, ref_len)``, concatenated in the order of ``u_img`` (per
+        image ``row_count`` rows, ``ent_count`` entries, ``ref_count`` references). Precomputed references: a
+        gather; compact (CSR) references: computed now, with the same operations as the precomputation."""
+        if self._csr is not None:
+            corpus = self._corpus_of(u_img)
+            p = self._reference_parts(corpus, len(u_img))
+            return (p["cid"], p["rows"], p["ents"], p["row"], p["col"], p["tf"], corpus.n_refs, p["norm"],
+                    p["len"])
+        row_start = self._img_row_off[u_img]
+        row_count = self._img_row_off[u_img + 1] - row_start
+        row_cid = self._row_cid[_ragged_arange(row_start, row_count)]
+        ent_start = self._img_ent_off[u_img]
+        ent_count = self._img_ent_off[u_img + 1] - ent_start
+        ent = _ragged_arange(ent_start, ent_count)
+        ref_count = self._img_ref_off[u_img + 1] - self._img_ref_off[u_img]
+        g_ref = _ragged_arange(self._img_ref_off[u_img], ref_count)
+        return (row_cid, row_count, ent_count, self._ent_row[ent], self._ent_col[ent], self._ent_tf[ent], ref_count,
+                self._ref_norm[g_ref], self._ref_len[g_ref])
 
     @classmethod
     def from_token_ids(cls, refs: Mapping[Hashable, Sequence[Sequence[int]]], *, n: int = 4, sigma: float = 6.0,
                        df: DocumentFrequency | None = None) -> CiderD:
         """References as token-id sequences (lists, numpy arrays, tensors): SCST on word ids, no strings."""
         return cls(refs, n=n, sigma=sigma, df=df)
+
+    @classmethod
+    def from_csr(cls, tokens: np.ndarray, token_offsets: np.ndarray, caption_offsets: np.ndarray,
+                 image_ids: np.ndarray, *, append: int | None = None, n: int = 4, sigma: float = 6.0) -> CiderD:
+        """References as CSR arrays (:class:`~captioning.metrics.cider_refs.CsrReferences`: flat integer tokens,
+        per-caption token offsets, per-image caption offsets, int64 image ids), each caption followed by the token
+        ``append`` when given (SCST's ``<eos>``). Document frequencies come from these references.
+
+        The scores are exactly (bit for bit) those of ``CiderD.from_token_ids({id: [[*tokens, append], ...]})``
+        with Python-int token lists, but nothing is kept per caption, image or n-gram in Python: the n-gram table
+        and the document counts are arrays, built a block of images at a time, and each scored batch's reference
+        vectors are computed from the (shared, not copied) token arrays when it is scored.
+        """
+        refs = CsrReferences(tokens, token_offsets, caption_offsets, image_ids, append)
+        if not len(refs):
+            raise ValueError("CiderD needs references (or a precomputed df)")
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        index = _NgramIndex(n)
+        counts = [_EMPTY] * (n + 1)
+        for lo, hi in _block_edges(refs.n_refs):
+            toks, lengths = refs.caption_tokens(np.arange(refs.caption_offsets[lo], refs.caption_offsets[hi]))
+            w = index.word_ids_flat(toks, add=True)
+            del toks
+            doc = np.repeat(np.arange(hi - lo, dtype=np.int64), refs.n_refs[lo:hi])
+            index.add_documents(w, lengths, doc, counts)
+            del w, lengths, doc
+        sizes = [len(index.vocab), *index.sizes[2:]]
+        df_counts = np.concatenate([np.concatenate([counts[k], np.zeros(sizes[k - 1] - len(counts[k]), np.int64)])
+                                    for k in range(1, n + 1)])
+        df_counts = df_counts.astype(np.int32 if len(refs) < 2**31 else np.int64)
+        del counts
+        df = DocumentFrequency(index, df_counts, len(refs))
+        self = cls.__new__(cls)
+        self.n, self.sigma, self.df = n, float(sigma), df
+        self.ids = refs.image_ids
+        self.references = None  # the token arrays are in self._csr
+        self._index, self._img_index, self._csr = index, None, refs
+        self._log_n = np.log(float(df.n_docs))
+        self._offsets = index.offsets()
+        self._idf = CountIdf(df_counts, self._log_n)
+        big = self._big = max(int(self._offsets[n]), 1)
+        self._cid_dtype = np.int32 if big < 2**31 else np.int64
+        self._col_dtype = np.int8 if refs.n_refs.max() < 128 else np.int32
+        return self
+
+    def _corpus_of(self, u_img: np.ndarray) -> _Corpus:
+        """The encoded references of the images ``u_img`` (positions) of a CSR scorer."""
+        refs = self._csr
+        toks, lengths = refs.caption_tokens(refs.captions_of(u_img))
+        w = self._index.word_ids_flat(toks, add=False)
+        return _Corpus(self._index, None, self.n, words=(w, lengths, refs.n_refs[u_img]))
+
+    def _lookup(self, ref_ids: Sequence[Hashable]) -> np.ndarray:
+        if self._csr is not None:
+            return self._csr.index_of(ref_ids)
+        try:
+            return np.fromiter(map(self._img_index.__getitem__, ref_ids), np.int64, len(ref_ids))
+        except KeyError as e:
+            raise KeyError(f"no references for id {e.args[0]!r}") from None
 
     def _length(self, lengths: np.ndarray) -> np.ndarray:
         # pycocoevalcap's "length" is the summed tf of the bigrams (its n-gram index 1), i.e. words - 1
@@ -461,10 +393,7 @@ class CiderD:
             raise ValueError(f"{n_c} candidates but {len(ref_ids)} ref_ids")
         if n_c == 0:
             return np.zeros(0, np.float64)
-        try:
-            img = np.fromiter(map(self._img_index.__getitem__, ref_ids), np.int64, n_c)
-        except KeyError as e:
-            raise KeyError(f"no references for id {e.args[0]!r}") from None
+        img = self._lookup(ref_ids)
         n, big = self.n, self._big
 
         # candidate vectors (n-grams the table lacks: df 0, weight tf * log(N): they count in the norm only)
@@ -481,26 +410,20 @@ class CiderD:
         u_img, u_inv = np.unique(img, return_inverse=True)
         n_u = len(u_img)
         u_range = np.arange(n_u, dtype=np.int64)
-        row_start = self._img_row_off[u_img]
-        row_count = self._img_row_off[u_img + 1] - row_start
+        (row_cid, row_count, ent_count, ent_row, ent_col, ent_tf, ref_count, ref_norm_g,
+         ref_len_g) = self._image_arrays(u_img)
         row_base = np.cumsum(row_count) - row_count
-        row_cid = self._row_cid[_ragged_arange(row_start, row_count)]
         row_keys = np.repeat(u_range, row_count) * big + row_cid  # sorted
-        ent_start = self._img_ent_off[u_img]
-        ent_count = self._img_ent_off[u_img + 1] - ent_start
-        ent = _ragged_arange(ent_start, ent_count)
-        row = np.repeat(row_base, ent_count) + self._ent_row[ent]
-        ref_count = self._img_ref_off[u_img + 1] - self._img_ref_off[u_img]
+        row = np.repeat(row_base, ent_count) + ent_row
         r_max = int(ref_count.max())
         weights = np.zeros((len(row_keys), r_max), np.float64)
-        weights[row, self._ent_col[ent]] = self._ent_tf[ent] * self._idf[row_cid[row]]
-        g_ref = _ragged_arange(self._img_ref_off[u_img], ref_count)
+        weights[row, ent_col] = ent_tf * self._idf[row_cid[row]]
         j_u = np.repeat(u_range, ref_count)
         j_col = _ragged_arange(np.zeros(n_u, np.int64), ref_count)
         ref_norm = np.zeros((n_u, r_max, n), np.float64)
-        ref_norm[j_u, j_col] = self._ref_norm[g_ref]
+        ref_norm[j_u, j_col] = ref_norm_g
         ref_len = np.zeros((n_u, r_max), np.float64)
-        ref_len[j_u, j_col] = self._ref_len[g_ref]
+        ref_len[j_u, j_col] = ref_len_g
 
         # clipped dot products sum_g min(v_h, v_r) v_r, per (candidate, order, reference)
         se = np.flatnonzero(seen)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -246,31 +247,86 @@ def caption_dataset(source: FeatureSource, labels: Labels, plan: ModelPlan, *, c
                           codec=codec, sources=sources)
 
 
-@dataclass
+@dataclass(eq=False)
 class References:
-    """Ground-truth captions per image of one split: word-id sequences (rewards) and strings (metrics)."""
+    """Ground-truth captions per image of one split in compact arrays (CSR): image i (id ``image_ids[i]``, feature
+    row ``image_rows[i]``) has the captions ``caption_offsets[i]`` .. ``caption_offsets[i + 1] - 1``; caption c is
+    the word ids ``tokens[token_offsets[c]:token_offsets[c + 1]]`` (PAD removed). Images come in the order of their
+    first caption in the label store, captions in the store's order. ``tokens`` is uint16 when the vocabulary fits
+    (int32 otherwise): a few bytes per token and nothing per caption or image in Python.
 
-    ids: dict[int, list[list[int]]]
-    text: dict[int, list[str]]
-    rows: dict[int, int]
+    ``ids`` (word-id lists, for rewards), ``text`` (strings, for metrics) and ``rows`` (feature row) are dicts
+    keyed by image id, built from the arrays on first use: Python objects per caption, for evaluation-sized
+    splits - SCST takes the arrays themselves (:class:`captioning.training.scst.ScstLoss`)."""
+
+    tokens: np.ndarray
+    token_offsets: np.ndarray
+    caption_offsets: np.ndarray
+    image_ids: np.ndarray
+    image_rows: np.ndarray
+    vocab: Vocabulary
+
+    def __len__(self) -> int:
+        return len(self.image_ids)
+
+    def _captions(self):
+        toks, off = self.tokens.tolist(), self.token_offsets.tolist()
+        for i, iid in enumerate(self.image_ids.tolist()):
+            lo, hi = int(self.caption_offsets[i]), int(self.caption_offsets[i + 1])
+            yield iid, [toks[off[c]:off[c + 1]] for c in range(lo, hi)]
+
+    @cached_property
+    def ids(self) -> dict[int, list[list[int]]]:
+        return dict(self._captions())
+
+    @cached_property
+    def text(self) -> dict[int, list[str]]:
+        vocab = self.vocab
+        words = [vocab.word_of(i) for i in range(len(vocab))]  # id -> word, one list index per token
+        return {iid: [" ".join(vocab.decode(w) if BOS in w or EOS in w else [words[t] for t in w]) for w in caps]
+                for iid, caps in self._captions()}
+
+    @cached_property
+    def rows(self) -> dict[int, int]:
+        return dict(zip(self.image_ids.tolist(), self.image_rows.tolist(), strict=True))
+
+
+_REF_CHUNK = 65_536  # label rows per step of references(): its temporaries stay those of a chunk
 
 
 def references(labels: Labels, vocab: Vocabulary, split: str) -> References:
     """Ground-truth references of ``split`` from the label store (words outside the vocabulary are <unk>;
-    for metrics use the dataset's own captions when they are at hand)."""
-    sel = labels.select((labels.split == SPLIT_CODES[split]) & (labels.source == GROUND_TRUTH))
-    ids: dict[int, list[list[int]]] = {}
-    text: dict[int, list[str]] = {}
-    rows: dict[int, int] = {}
-    words = [vocab.word_of(i) for i in range(len(vocab))]  # id -> word, one list index per token
-    # Python ints from whole arrays at once (per-element numpy scalars cost ~5x more at COCO's 566k captions)
-    for tok, n, iid, row in zip(sel.tokens.tolist(), sel.length.tolist(), sel.image_id.tolist(),
-                                sel.image_row.tolist(), strict=True):
-        w = [t for t in tok[:n] if t != PAD]
-        ids.setdefault(iid, []).append(w)
-        text.setdefault(iid, []).append(" ".join(vocab.decode(w) if BOS in w or EOS in w else [words[t] for t in w]))
-        rows[iid] = row
-    return References(ids, text, rows)
+    for metrics use the dataset's own captions when they are at hand), as compact arrays."""
+    idx = np.flatnonzero((labels.split == SPLIT_CODES[split]) & (labels.source == GROUND_TRUTH))
+    iid = labels.image_id[idx].astype(np.int64)
+    uniq, first, inv = np.unique(iid, return_index=True, return_inverse=True)
+    del iid
+    by_first = np.argsort(first, kind="stable")  # images in the order of their first caption
+    rank = np.empty(len(uniq), np.int64)
+    rank[by_first] = np.arange(len(uniq), dtype=np.int64)
+    img_of_cap = rank[inv.reshape(-1)]
+    del inv, rank, first
+    order = idx[np.argsort(img_of_cap, kind="stable")]  # label rows, image by image, store order within
+    caption_offsets = np.concatenate([[0], np.cumsum(np.bincount(img_of_cap, minlength=len(uniq)))]).astype(np.int64)
+    del img_of_cap, idx
+    small = len(vocab) <= 2**16
+    parts, counts = [], []
+    for lo in range(0, len(order), _REF_CHUNK):
+        rows = order[lo:lo + _REF_CHUNK]
+        tok = labels.tokens[rows]
+        keep = (np.arange(tok.shape[1]) < labels.length[rows][:, None]) & (tok != PAD)
+        flat = tok[keep]
+        small = small and (not len(flat) or (flat.min() >= 0 and flat.max() < 2**16))
+        parts.append(flat.astype(np.uint16) if small else flat.astype(np.int32))
+        counts.append(keep.sum(1))
+    dtype = np.uint16 if small else np.int32
+    tokens = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, np.int32)
+    del parts
+    n_tok = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    token_offsets = np.concatenate([[0], np.cumsum(n_tok)]).astype(np.int64)
+    last = order[caption_offsets[1:] - 1] if len(uniq) else np.zeros(0, np.int64)
+    image_rows = labels.image_row[last].astype(np.int64)  # the row of each image's last caption
+    return References(tokens, token_offsets, caption_offsets, uniq[by_first], image_rows, vocab)
 
 
 def split_rows(labels: Labels, split: str, ok_rows: np.ndarray) -> np.ndarray:

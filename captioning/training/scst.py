@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -59,13 +60,17 @@ class ScstStats:
 class ScstLoss:
     """The SCST objective as a ``loss_fn(model, batch)`` for :func:`captioning.training.loop.train`.
 
-    ``references``: ``{image id: [caption word ids (no BOS/EOS), ...]}`` of the training images.
+    ``references``: the training images' references, caption word ids without BOS/EOS: compact arrays
+    (:class:`captioning.training.recipe.References`, what :func:`~captioning.training.recipe.references` returns)
+    or ``{image id: [caption word ids, ...]}``. Either way the reward is built from CSR arrays
+    (:meth:`CiderD.from_csr`, ``<eos>`` appended to every reference) - the same rewards, bit for bit, as
+    ``CiderD.from_token_ids`` on the references as lists with ``<eos>`` appended.
     ``codec``: the radix codec when the model emits radix digits. ``max_tokens``: longest sampled output
     (tokens, EOS included). ``sample_autocast``: sample (and decode the greedy baseline) under the step's
     autocast instead of in fp32 (see the module's doc). ``graphs``: the decoding engine's CUDA-graph switch
     (None = auto: graphs on CUDA without active dropout; False = the eager engine)."""
 
-    def __init__(self, references: Mapping[Hashable, Sequence[Sequence[int]]], *, samples: int = 5,
+    def __init__(self, references, *, samples: int = 5,
                  baseline: str = "mean", max_tokens: int = 17, codec: RadixCodec | None = None,
                  temperature: float = 1.0, sample_autocast: bool = False, graphs: bool | None = None):
         if baseline not in ("mean", "greedy"):
@@ -74,7 +79,7 @@ class ScstLoss:
             raise ValueError("the mean-of-others baseline needs at least 2 samples per image")
         if not references:
             raise ValueError("SCST needs reference captions")
-        self.cider = CiderD.from_token_ids({k: [[*map(int, r), EOS] for r in refs] for k, refs in references.items()})
+        self.cider = reward_scorer(references)
         self.samples, self.baseline, self.max_tokens = samples, baseline, max_tokens
         self.codec, self.temperature = codec, temperature
         self.sample_autocast = sample_autocast
@@ -172,6 +177,31 @@ class ScstLoss:
         memory = model.encode(drawn.features, drawn.boxes, drawn.region_mask)
         total, count = self._policy_loss(model, memory, drawn.tokens, drawn.adv)
         return total / count.clamp(min=1)
+
+
+def _csr_of(references: Mapping[Hashable, Sequence[Sequence[int]]]):
+    """``{image id: [token ids, ...]}`` as CSR arrays (None when an id is not an integer)."""
+    keys = list(references)
+    if not all(isinstance(k, (int, np.integer)) for k in keys):
+        return None
+    caps = [references[k] for k in keys]
+    n_caps = np.fromiter(map(len, caps), np.int64, len(caps))
+    flat = [c.tolist() if hasattr(c, "tolist") else list(c) for refs in caps for c in refs]
+    lengths = np.fromiter(map(len, flat), np.int64, len(flat))
+    tokens = np.fromiter(chain.from_iterable(flat), np.int64, int(lengths.sum()))
+    return (tokens, np.concatenate([[0], np.cumsum(lengths)]), np.concatenate([[0], np.cumsum(n_caps)]),
+            np.asarray(keys, np.int64))
+
+
+def reward_scorer(references) -> CiderD:
+    """SCST's CIDEr-D: the references (see :class:`ScstLoss`) with ``<eos>`` appended, df from them."""
+    if hasattr(references, "caption_offsets"):  # compact references (captioning.training.recipe.References)
+        arrays = (references.tokens, references.token_offsets, references.caption_offsets, references.image_ids)
+    else:
+        arrays = _csr_of(references)
+        if arrays is None:
+            return CiderD.from_token_ids({k: [[*map(int, r), EOS] for r in refs] for k, refs in references.items()})
+    return CiderD.from_csr(*arrays, append=EOS)
 
 
 @dataclass

@@ -190,7 +190,7 @@ def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Pat
         raise ValueError(f"the plan of {ctx.plan.label} has no SCST (students.scst.enabled is false)")
     model, _ = load_model(init_checkpoint, device=ctx.device, dropout=sp.dropout)
     codec = codec_for(model, ctx.vocab)
-    refs = references(ctx.labels, ctx.vocab, "train").ids
+    refs = references(ctx.labels, ctx.vocab, "train")  # compact arrays: ScstLoss's rewards read them as they are
     loss = ScstLoss(refs, samples=sp.samples, baseline=sp.baseline, max_tokens=ctx.max_tokens(model), codec=codec)
     data = caption_dataset(ctx.source, ctx.labels, ctx.plan, codec=codec, captions_per_image=1, seed_offset=1)
 

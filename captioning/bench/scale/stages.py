@@ -32,21 +32,22 @@ def stage_ingest(p: Mapping[str, Any]) -> dict[str, Any]:
     """What the ingest job does without MLflow: read + validate + hash (``prepare.ingest``), then write the
     normalised dataset and its reject list into the workdir."""
     from captioning.data.plans import ingest_plan
-    from captioning.data.prepare import ingest
+    from captioning.data.prepare import ingest_file
     from captioning.workdir import Workdir
 
     cfg = _config(p)
-    ds = ingest(ingest_plan(cfg))
     wd = Workdir.of(cfg)
-    path = ds.save(wd.dataset(ds.digest))
-    summary = ds.summary()
+    f = ingest_file(ingest_plan(cfg), wd.dataset_partial())
+    path = wd.dataset(f.digest)
+    f.path.replace(path)
+    summary = f.summary()
     rejects = {"rejected": summary["rejected"], "dropped_captions": summary["dropped_captions"],
                "excluded": summary["excluded"]}
-    wd.rejects(ds.digest).write_text(json.dumps(rejects, indent=1, ensure_ascii=False), encoding="utf-8")
+    wd.rejects(f.digest).write_text(json.dumps(rejects, indent=1, ensure_ascii=False), encoding="utf-8")
     link = Path(p["out"]) / "dataset.path"
     link.write_text(str(path), encoding="utf-8")
-    return {"images": summary["images"], "captions": summary["captions"], "rejected": len(ds.rejected),
-            "dropped_captions": len(ds.dropped_captions), "entries": ds.entries, "outputs": [p["out"]]}
+    return {"images": summary["images"], "captions": summary["captions"], "rejected": len(summary["rejected"]),
+            "dropped_captions": len(summary["dropped_captions"]), "entries": f.entries, "outputs": [p["out"]]}
 
 
 def _dataset_path(p: Mapping[str, Any]) -> str:
@@ -54,13 +55,13 @@ def _dataset_path(p: Mapping[str, Any]) -> str:
 
 
 def stage_vocab(p: Mapping[str, Any]) -> dict[str, Any]:
-    """The vocab job without MLflow: load the dataset, the feature store's row index, vocabulary + label store
-    (``vocab_and_labels``), the label store's digest."""
-    from captioning.data.karpathy import Dataset
+    """The vocab job without MLflow: the dataset (streamed), the feature store's row index, vocabulary + label
+    store (``vocab_and_labels``), the label store's digest."""
+    from captioning.data.karpathy import open_dataset
     from captioning.data.prepare import vocab_and_labels
     from captioning.data.stores import FeatureStore, LabelStore
 
-    ds = Dataset.load(_dataset_path(p))
+    ds = open_dataset(_dataset_path(p))
     rows = FeatureStore.open(p["features"]).row_of()
     from captioning.data.plans import vocab_plan
 
@@ -115,21 +116,24 @@ def stage_cider(p: Mapping[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     labels = LabelStore.open(_labels_uri(p)).read()
     vocab = Vocabulary.load(Path(p["vocab_out"]) / "vocab.json")
-    refs = references(labels, vocab, "train").ids
+    refs = references(labels, vocab, "train")  # compact arrays (CSR), as fit_scst hands them to ScstLoss
+    del labels
     t_refs = time.perf_counter() - t0
     loss = ScstLoss(refs, samples=5)
     t_df = time.perf_counter() - t0 - t_refs
-    ids = list(refs)
+    n_img = len(refs)
     rng = np.random.default_rng(0)
     t1 = time.perf_counter()
     scored = 0
     for _ in range(20):
-        imgs = [ids[i] for i in rng.integers(0, len(ids), 50)]
-        others = [ids[i] for i in rng.integers(0, len(ids), 250)]
-        cands = [np.asarray([*refs[o][0], EOS], np.int64) for o in others]
+        imgs = refs.image_ids[rng.integers(0, n_img, 50)].tolist()
+        others = rng.integers(0, n_img, 250)
+        first = refs.token_offsets[refs.caption_offsets[others]]
+        ends = refs.token_offsets[refs.caption_offsets[others] + 1]
+        cands = [np.asarray([*refs.tokens[a:b].tolist(), EOS], np.int64) for a, b in zip(first, ends, strict=True)]
         scores = loss.cider.score_batch(cands, [i for i in imgs for _ in range(5)])
         scored += len(scores)
-    return {"train_images": len(ids), "ngrams": int(loss.cider.table_size), "references_seconds": t_refs,
+    return {"train_images": n_img, "ngrams": int(loss.cider.table_size), "references_seconds": t_refs,
             "df_seconds": t_df, "batch_ms": (time.perf_counter() - t1) / 20 * 1000, "scored": scored}
 
 
@@ -137,11 +141,10 @@ def stage_coco_eval(p: Mapping[str, Any]) -> dict[str, Any]:
     """pycocoevalcap (BLEU, METEOR, ROUGE-L, CIDEr; SPICE needs CoreNLP, not here) on the test split: each test
     image's result is the first reference of the next test image. The test split grows with N here (COCO's
     proportion: 5000 images at 123,287)."""
-    from captioning.data.karpathy import Dataset
+    from captioning.data.karpathy import open_dataset
     from captioning.metrics.coco import close_meteor, score
 
-    ds = Dataset.load(_dataset_path(p))
-    test = ds.split("test")
+    test = list(open_dataset(_dataset_path(p)).iter_entries("test"))
     refs = {e.image_id: list(e.captions) for e in test}
     results = {e.image_id: test[(k + 1) % len(test)].captions[0] for k, e in enumerate(test)}
     out = score(results, refs, metrics=("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"))
@@ -151,14 +154,14 @@ def stage_coco_eval(p: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def stage_digests(p: Mapping[str, Any]) -> dict[str, Any]:
-    """The lineage digests a pipeline run computes: the dataset's (over the normalised dataset), the feature
-    store's manifest digest (ids, status, attributes, chunk checksums) and the label store's."""
-    from captioning.data.karpathy import Dataset, dataset_digest
+    """The lineage digests a pipeline run computes: the dataset's (recomputed over the normalised dataset file,
+    streamed, as ``capflow verify`` does), the feature store's manifest digest (ids, status, attributes, chunk
+    checksums) and the label store's."""
+    from captioning.data.karpathy import file_digest
     from captioning.data.stores import FeatureStore, LabelStore
 
     t0 = time.perf_counter()
-    ds = Dataset.load(_dataset_path(p))
-    d = dataset_digest(ds)
+    d = file_digest(_dataset_path(p))
     t1 = time.perf_counter()
     m = FeatureStore.open(p["features"]).manifest()
     t2 = time.perf_counter()
