@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from captioning.config import FeaturesConfig
-from captioning.data.karpathy import Dataset
+from captioning.data.karpathy import open_dataset
 from captioning.data.stores import LabelStore
 from captioning.errors import CapflowError
 from captioning.metrics.evaluation import most_frequent_caption
@@ -83,9 +83,9 @@ def markdown(board: Leaderboard) -> str:
 
 def baseline_of(data: DatasetRef) -> Baseline:
     """The most-frequent-training-caption baseline on the dataset's test split."""
-    ds = Dataset.load(data.path)
-    refs = {e.image_id: list(e.captions) for e in ds.split("test")}
-    caption, scored = most_frequent_caption((c for e in ds.split("train") for c in e.captions), refs)
+    ds = open_dataset(data.path)  # streamed
+    refs = {e.image_id: list(e.captions) for e in ds.iter_entries("test")}
+    caption, scored = most_frequent_caption((c for e in ds.iter_entries("train") for c in e.captions), refs)
     return Baseline(caption=caption, metrics=scored["metrics"])
 
 
@@ -188,8 +188,8 @@ def rescore_champion(rc: RunContext, version: str, data: DatasetRef, feats: Feat
         _, features = read_meta(files.meta)
     except CaptionerError as e:
         raise CannotRescore(f"its model folder cannot be used: {e}") from None
-    ds = Dataset.load(data.path)
-    refs = {e.image_id: list(e.captions) for e in ds.split("test")}
+    ds = open_dataset(data.path)
+    refs = {e.image_id: list(e.captions) for e in ds.iter_entries("test")}
     constraint = cfg.evaluation.decoding_constraint
     if same_features(features, cfg.features):
         device = resolve_device(cfg.run.device)
@@ -213,7 +213,7 @@ def rescore_champion(rc: RunContext, version: str, data: DatasetRef, feats: Feat
         except CaptionerError as e:
             raise CannotRescore(f"it cannot caption images: {e}") from None
         cap.max_tokens = max_tokens(cap.model, cfg.dataset.max_words, cap.vocab.radix())
-        entries = ds.split("test")
+        entries = list(ds.iter_entries("test"))
         res = cap.caption([ds.image_path(e) for e in entries])
         got = {c["file"]: c["caption"] for c in res.captions}
         preds = {e.image_id: got[str(ds.image_path(e))] for e in entries if str(ds.image_path(e)) in got}
@@ -341,11 +341,11 @@ def _samples(data: DatasetRef | None, n: int = 6) -> list[Any]:
 
     if data is None:
         return []
-    ds = Dataset.load(data.path)
+    ds = open_dataset(data.path)
     if ds.images_root is None:
         return []
     out = []
-    for e in ds.split("test"):
+    for e in ds.iter_entries("test"):
         path = ds.image_path(e)
         if path.is_file() and path.suffix.lower() in (".jpg", ".jpeg", ".png"):
             out.append(Sample(image_id=e.image_id, path=str(path), references=list(e.captions)))

@@ -9,6 +9,7 @@ jobs in its tasks (:mod:`flows.pipeline`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import traceback
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from captioning.data.karpathy import Dataset
+from captioning.data.columnar import DatasetFile
+from captioning.data.karpathy import Dataset, open_dataset
 from captioning.data.stores import LabelStore
 from captioning.metrics.coco import references_document
 from captioning.metrics.evaluation import Evaluation
@@ -302,14 +304,14 @@ def _model_folder(rc: RunContext, folder: Path, model: Any, st: dict[str, Any], 
         weights_cache_dir=rc.workdir.weights_cache())
 
 
-def _example_image(cfg, ds: Dataset | None, rc: RunContext | None = None):
+def _example_image(cfg, ds: Dataset | DatasetFile | None, rc: RunContext | None = None):
     """A real image for the MLflow Model's input example: the first usable test image (None: no image files). A
     worker that cannot see the dataset's files takes it from the run store, where extraction put the images."""
     from tasks.mlflow_models import example_image
 
     if ds is None or ds.images_root is None or cfg.features.source != "detector":
         return None  # a model of synthetic-informative features does not caption pixels
-    entries = ds.split("test")[:8]
+    entries = list(itertools.islice(ds.iter_entries("test"), 8))
     found = example_image([ds.image_path(e) for e in entries])
     if found is None and rc is not None:
         for e in entries:
@@ -331,7 +333,7 @@ def _log_trained_model(rc: RunContext, run: str, best: str | Path, plan: ModelPl
     model_dir = _model_folder(rc, Path(best).parent / "model", model, st, plan, vocab_path, {})
     model_id = rc.tracker.log_model(
         run, model_dir, name=plan.name if plan.is_teacher else plan.preset,
-        example=_example_image(rc.cfg, Dataset.load(dataset_path) if dataset_path else None, rc),
+        example=_example_image(rc.cfg, open_dataset(dataset_path) if dataset_path else None, rc),
         params={"student": plan.name, "preset": plan.preset, "beam": plan.eval_beam, "max_words": plan.max_words,
                 "arch": st["arch"]},
         tags={"capflow.student": plan.name, "capflow.preset": plan.preset,

@@ -148,6 +148,11 @@ class DatasetFile:
         for g in range(self._pf.num_row_groups):
             yield from self._pf.read_row_group(g, columns=list(columns) if columns else None).to_batches()
 
+    def image_path(self, entry: ImageEntry) -> Path:
+        if self.images_root is None:
+            raise DatasetError("this dataset has no images root (annotations only)")
+        return Path(self.images_root) / entry.file
+
     def iter_entries(self, split: str | None = None) -> Iterator[ImageEntry]:
         for b in self.batches():
             cols = [b.column(name).to_pylist() for name in SCHEMA.names]

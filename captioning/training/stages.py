@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from captioning.data.karpathy import Dataset
+from captioning.data.columnar import DatasetFile
+from captioning.data.karpathy import Dataset, open_dataset
 from captioning.data.loader import FeatureSource, ZarrFeatures, region_stats
 from captioning.data.stores import Labels, LabelStore
 from captioning.data.text import Vocabulary
@@ -60,7 +61,7 @@ class Inputs:
     dataset: str | None = None
 
     def open(self, plan: ModelPlan, progress: bool = False) -> StageContext:
-        ds = Dataset.load(self.dataset) if self.dataset else None
+        ds = open_dataset(self.dataset) if self.dataset else None  # streamed where it is a dataset file
         return StageContext.from_paths(plan, self.vocab, self.labels, self.features, ds, progress=progress)
 
 
@@ -72,7 +73,7 @@ class StageContext:
     vocab: Vocabulary
     labels_uri: str
     source: FeatureSource
-    dataset: Dataset | None = None  # for metric references (full captions) and novelty; else the label store
+    dataset: Dataset | DatasetFile | None = None  # metric references (full captions), novelty; else the labels
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: bool = False
 
@@ -81,7 +82,7 @@ class StageContext:
 
     @classmethod
     def from_paths(cls, plan: ModelPlan, vocab_path: str | Path, labels_uri: str, features_uri: str,
-                   dataset: Dataset | None = None, progress: bool = False) -> StageContext:
+                   dataset: Dataset | DatasetFile | None = None, progress: bool = False) -> StageContext:
         return cls(plan, Vocabulary.load(vocab_path), labels_uri, ZarrFeatures(features_uri), dataset,
                    resolve_device(plan.device), progress)
 
@@ -114,12 +115,12 @@ class StageContext:
 
     def text_references(self, split: str) -> dict[int, list[str]]:
         if self.dataset is not None:
-            return {e.image_id: list(e.captions) for e in self.dataset.split(split)}
+            return {e.image_id: list(e.captions) for e in self.dataset.iter_entries(split)}
         return references(self.labels, self.vocab, split).text
 
     def train_captions(self) -> list[str]:
         if self.dataset is not None:
-            return [c for e in self.dataset.split("train") for c in e.captions]
+            return [c for e in self.dataset.iter_entries("train") for c in e.captions]
         return [c for v in references(self.labels, self.vocab, "train").text.values() for c in v]
 
     def max_tokens(self, model: Captioner | ArchConfig) -> int:
