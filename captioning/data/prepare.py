@@ -110,53 +110,68 @@ class LabelResult:
     captions: int
 
 
+def _image_ids(ds: Dataset | DatasetFile) -> np.ndarray:
+    if isinstance(ds, DatasetFile):
+        return ds.column("image_id")
+    return np.fromiter((e.image_id for e in ds.images), np.int64, len(ds.images))
+
+
 def build_labels(
     ds: Dataset | DatasetFile, vocab: Vocabulary, uri: str, max_words: int, image_rows: dict[int, int] | None = None,
-    overwrite: bool = True,
+    overwrite: bool = True, chunk: int = 65536,
 ) -> LabelStore:
     """Write the ground-truth label store. ``image_rows`` maps image id -> feature-store row (default: the
-    dataset's own order, which is the order a feature store built from it uses). The dataset is read entry by
-    entry; only the label arrays themselves are whole."""
-    m = ds.num_captions
-    rows = np.zeros(m, np.int32)
-    ids = np.zeros(m, np.int64)
-    split = np.zeros(m, np.int8)
-    tokens = np.zeros((m, max_words), np.int32)
-    length = np.zeros(m, np.int16)
-    missing: list[int] = []
-    k = 0
+    dataset's own order, which is the order a feature store built from it uses). The dataset is read entry by entry
+    and the store written a chunk of rows at a time: memory holds a block of captions, not the label arrays."""
+    if image_rows is not None:
+        missing = [int(i) for i in _image_ids(ds) if int(i) not in image_rows]
+        if missing:
+            raise DatasetError(f"{len(missing)} images have no feature-store row, e.g. {sorted(missing)[:5]}")
+    store = LabelStore.allocate(uri, ds.num_captions, max_words, overwrite=overwrite, chunk=chunk,
+                                attrs={"dataset_digest": ds.digest, "vocab_digest": vocab.digest()})
+    written = 0
+    parts: list[tuple[np.ndarray, ...]] = []  # encoded blocks not yet written (less than a chunk of rows)
+    held = 0
+
+    def write(final: bool) -> None:
+        nonlocal written, held, parts
+        if not parts:
+            return
+        cols = [np.concatenate(c) for c in zip(*parts, strict=True)]
+        n = held if final else held - held % store.chunk_rows  # whole chunks until the last write
+        store.write_rows(written, *(c[:n] for c in cols))
+        written += n
+        parts = [tuple(c[n:] for c in cols)] if n < held else []
+        held -= n
+
     block: list[tuple[int, ImageEntry]] = []  # (row, entry): a block's words as Python strings, not the dataset's
 
-    def flush() -> None:
-        nonlocal k
+    def encode() -> None:
+        nonlocal held
         words = [c.split()[:max_words] for _, e in block for c in e.captions]
         lens = np.fromiter(map(len, words), np.int64, len(words))
         flat = vocab.encode_flat(chain.from_iterable(words), int(lens.sum()))
-        at = np.repeat(np.arange(k, k + len(words)), lens)
-        tokens[at, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
-        length[k: k + len(words)] = lens
+        tokens = np.zeros((len(words), max_words), np.int32)
+        tokens[np.repeat(np.arange(len(words)), lens), np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] \
+            = flat
         per = np.fromiter((len(e.captions) for _, e in block), np.int64, len(block))
-        rows[k: k + len(words)] = np.repeat(np.asarray([r for r, _ in block], np.int64), per)
-        ids[k: k + len(words)] = np.repeat(np.asarray([e.image_id for _, e in block], np.int64), per)
-        split[k: k + len(words)] = np.repeat(np.asarray([SPLIT_CODES[e.split] for _, e in block], np.int8), per)
-        k += len(words)
+        parts.append((tokens, lens.astype(np.int16),
+                      np.repeat(np.asarray([r for r, _ in block], np.int32), per),
+                      np.repeat(np.asarray([e.image_id for _, e in block], np.int64), per),
+                      np.repeat(np.asarray([SPLIT_CODES[e.split] for _, e in block], np.int8), per)))
+        held += len(words)
         block.clear()
+        if held >= store.chunk_rows:
+            write(final=False)
 
     for i, e in enumerate(ds.iter_entries()):
-        row = i if image_rows is None else image_rows.get(e.image_id)
-        if row is None:
-            missing.append(e.image_id)
-            continue
-        block.append((row, e))
-        if len(block) >= 4096:
-            flush()
-    flush()
-    if missing:
-        raise DatasetError(f"{len(missing)} images have no feature-store row, e.g. {sorted(missing)[:5]}")
-    return LabelStore.create(
-        uri, tokens, length, rows, ids, split, overwrite=overwrite,
-        attrs={"dataset_digest": ds.digest, "vocab_digest": vocab.digest()},
-    )
+        block.append((i if image_rows is None else image_rows[e.image_id], e))
+        if len(block) >= min(4096, chunk):
+            encode()
+    if block:
+        encode()
+    write(final=True)
+    return store
 
 
 def vocab_and_labels(plan: VocabPlan, ds: Dataset | DatasetFile, out: str | Path,

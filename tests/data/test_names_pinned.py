@@ -55,3 +55,27 @@ def test_dataset_feature_and_label_store_digests_are_pinned(tmp_path):
     assert store.manifest()["digest"] == "cdf23fa8391ab867fe8fcff5e5d58003658dda14ff62fa50816e3ccdbe49396b"
     assert LabelStore.open(labels.labels_uri).digest() == \
         "62ed0d07e7401cc1a989843f31ac72ff1f70882d5715bc431305a29b4de96187"
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_a_label_store_written_chunk_by_chunk_is_the_one_written_whole(tmp_path, chunk):
+    """``build_labels`` streams: the dataset file read a row group at a time, the store written a chunk of rows at
+    a time. Whatever the chunk (a few rows: many writes, a remainder held over between blocks), the values and the
+    digest are those of the pinned store, and every chunk's checksum verifies."""
+    import numpy as np
+
+    from captioning.data.columnar import DatasetFile
+    from captioning.data.prepare import build_labels
+    from captioning.data.text import Vocabulary
+
+    cfg = load_config("learning", overrides=[f"run.workdir={tmp_path}", "dataset.synthetic.num_images=24"])
+    ds = ingest(ingest_plan(cfg))
+    whole = LabelStore.open(vocab_and_labels(vocab_plan(cfg), ds, tmp_path / "v").labels_uri)
+    f = DatasetFile(ds.save(tmp_path / "d.parquet"))
+    vocab = Vocabulary.load(tmp_path / "v" / "vocab.json")
+    rows = {int(i): k for k, i in enumerate(f.column("image_id"))}
+    streamed = build_labels(f, vocab, str(tmp_path / "s.zarr"), cfg.dataset.max_words, rows, chunk=chunk)
+    assert streamed.digest() == whole.digest() == "62ed0d07e7401cc1a989843f31ac72ff1f70882d5715bc431305a29b4de96187"
+    a, b = whole.read(), streamed.read()
+    assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("tokens", "length", "image_row", "image_id"))
+    assert streamed.group["tokens"].chunks[0] == chunk and not streamed.verify().faults

@@ -76,7 +76,15 @@ class LabelStore(ChunkedStore):
         overwrite: bool = False,
         chunk: int = 65536,
     ) -> LabelStore:
-        m, seq = tokens.shape
+        store = cls.allocate(uri, len(tokens), tokens.shape[1], attrs=attrs, overwrite=overwrite, chunk=chunk)
+        store.write_rows(0, tokens, length, image_row, image_id, split)
+        return store
+
+    @classmethod
+    def allocate(cls, uri: str, m: int, seq: int, *, attrs: Mapping[str, Any] | None = None,
+                 overwrite: bool = False, chunk: int = 65536) -> LabelStore:
+        """A store of ``m`` ground-truth rows of ``seq`` tokens, to be filled by :meth:`write_rows` (a chunk of
+        rows at a time: the caller never holds the whole arrays)."""
         g = open_group(uri, "w" if overwrite else "w-")
         specs = {
             "tokens": ((m, seq), (chunk, seq), "int32"),
@@ -93,9 +101,16 @@ class LabelStore(ChunkedStore):
         g.attrs.update({"schema": LABEL_SCHEMA, "max_words": seq, "sources": {str(GROUND_TRUTH): "ground_truth"},
                         "checksums": {"algorithm": CHECKSUM_ALGORITHM, "arrays": list(cls.ARRAYS)},
                         **(dict(attrs) if attrs else {})})
-        store = cls(uri, g)
-        store._write(0, tokens, length, image_row, image_id, split, np.full(m, GROUND_TRUTH, np.int8))
-        return store
+        return cls(uri, g)
+
+    @property
+    def chunk_rows(self) -> int:
+        return self._rows_per_chunk
+
+    def write_rows(self, start: int, tokens: np.ndarray, length: np.ndarray, image_row: np.ndarray,
+                   image_id: np.ndarray, split: np.ndarray) -> None:
+        """Ground-truth rows ``start..`` (and the checksums of the chunks they touch)."""
+        self._write(start, tokens, length, image_row, image_id, split, np.full(len(tokens), GROUND_TRUTH, np.int8))
 
     def repair_hint(self, name: str | None = None) -> str:
         return ("A label store is not repaired in place: rebuild it (`capflow vocab`), or run `capflow verify "
