@@ -78,20 +78,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_import(rows=rows, dim=args.dim, boxes=min(36, args.max_boxes), chunk_rows=args.chunk_rows,
                             bad_every=args.bad_every, workdir=args.tmp)
     elif args.name == "scale":
-        from captioning.bench.scale import run as run_scale
-        from flows.bench_prefect import STAGES as PIPELINE_STAGES
-
-        try:
-            sizes = tuple(int(s) for s in (args.sizes or "1000,10000,100000").split(","))
-        except ValueError:
-            raise CLIError(f"--sizes takes comma-separated image counts, not {args.sizes!r}") from None
-        try:
-            result = run_scale(sizes, args.stages.split(",") if args.stages else None, extra_stages=PIPELINE_STAGES,
-                               dim=args.feature_dim, max_boxes=min(36, args.max_boxes),
-                               chunk_rows=args.chunk_rows, s3_max_images=args.s3_max_images, disk=not args.no_disk,
-                               repeats=args.repeats or 1, workdir=args.tmp, progress=True)
-        except ValueError as e:
-            raise CLIError(str(e)) from None
+        result = _bench_scale(args)
     elif args.name == "serve":
         from tasks.bench_serve import run as run_serve
 
@@ -125,6 +112,58 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale_options(args: argparse.Namespace) -> dict:
+    """``run``'s keyword arguments for ``bench scale``: the preset's (``--preset``), then the options given."""
+    from captioning.bench.scale import PRESETS
+
+    if args.preset and args.preset not in PRESETS:
+        raise CLIError(f"bench scale --preset: unknown preset {args.preset!r} (known: {', '.join(PRESETS)})")
+    opts = dict(PRESETS[args.preset]) if args.preset else {"sizes": (1000, 10_000, 100_000), "stages": None,
+                                                          "disk": True, "repeats": 1, "quiet_check": False}
+    if args.sizes:
+        try:
+            opts["sizes"] = tuple(int(s) for s in args.sizes.split(","))
+        except ValueError:
+            raise CLIError(f"--sizes takes comma-separated image counts, not {args.sizes!r}") from None
+    if args.stages:
+        opts["stages"] = args.stages.split(",")
+    if args.captions_per_image is not None:
+        opts["captions_per_image"] = args.captions_per_image
+    if args.input is not None:
+        opts["input_kind"] = args.input
+    if args.repeats is not None:
+        opts["repeats"] = args.repeats
+    if args.no_disk:
+        opts["disk"] = False
+    if args.quiet_check:
+        opts["quiet_check"] = True
+    return opts
+
+
+def _bench_scale(args: argparse.Namespace) -> dict:
+    import sys
+
+    from captioning.bench.scale import estimate
+    from captioning.bench.scale import run as run_scale
+    from flows.bench_prefect import STAGES as PIPELINE_STAGES
+
+    opts = _scale_options(args)
+    if args.preset:
+        est = estimate(opts["sizes"], opts["stages"], opts["repeats"])
+        per = ", ".join(f"{k} {v / 60:.1f} min" for k, v in est["per_stage"].items())
+        print(f"[scale] preset {args.preset}: {', '.join(f'{n:,}' for n in opts['sizes'])} images, "
+              f"{opts.get('captions_per_image', 5)} caption(s) each, input {opts.get('input_kind', 'karpathy')}, "
+              f"stages {','.join(opts['stages'])}; estimated {est['seconds'] / 60:.0f} min on the project's 2-core "
+              f"machine ({per}; removing the data afterwards adds more) and {est['disk_bytes'] / 1e9:.1f} GB of "
+              f"disk at the largest size", file=sys.stderr, flush=True)
+    try:
+        return run_scale(opts.pop("sizes"), opts.pop("stages"), extra_stages=PIPELINE_STAGES, dim=args.feature_dim,
+                         max_boxes=min(36, args.max_boxes), chunk_rows=args.chunk_rows,
+                         s3_max_images=args.s3_max_images, workdir=args.tmp, progress=True, **opts)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON ratios against an anchor)",
                        description="Benchmarks; with --json one JSON object with rows and ratios (>1 = better).")
@@ -156,7 +195,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--presets", help="decode: comma-separated architecture presets (default: all)")
     b.add_argument("--decode-threads", dest="threads_decode", type=int, help="decode: torch threads")
     b.add_argument("--preset", help="extract: preset whose extractor settings are used (default demo); "
-                   "learning: training preset (default learning)")
+                   "learning: training preset (default learning); scale: a named bench run, not a pipeline preset - "
+                   "cc3m-dry = the data side of a CC3M dry run stage by stage: 3,300,000 images of 1 caption in "
+                   "WebDataset shards, ingest, vocab, cider, digests, one size, a time estimate first (hours; "
+                   "--sizes and the other scale options override it)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extract, learning: config overrides")
     b.add_argument("--threads", type=int, help="extract: torch threads per model (default 1); learning: torch "
@@ -174,7 +216,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--chunk-rows", type=int, default=8, help="images per Zarr chunk / read block")
     b.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     b.add_argument("--repeats", type=int, help="timed passes (loader default 2, decode default 5; scale: runs of "
-                   "each stage per size, the fastest kept, default 1)")
+                   "each stage per size, each in a fresh process: the median wall and CPU time and the largest peak "
+                   "memory reported, every run kept in the row; default 1, 3 for exponents)")
     b.add_argument("--epochs", type=int, default=2, help="epochs per timed pass")
     b.add_argument("--rows", help="import: comma-separated TSV row counts, each imported in a fresh process "
                    "(default 10000,100000)")
@@ -187,6 +230,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--s3-max-images", type=int, default=10_000, help="scale: largest size the S3 loader epoch runs "
                    "at (moto holds the store in memory; default 10000)")
     b.add_argument("--no-disk", action="store_true", help="scale: skip the disk-per-100k-images table")
+    b.add_argument("--captions-per-image", type=int, help="scale: captions per synthetic image (5 = COCO-shaped, "
+                   "the default; 1 = Conceptual-Captions-shaped)")
+    b.add_argument("--input", choices=["karpathy", "shards"], help="scale: the synthetic data as a Karpathy "
+                   "annotations.json + image files (default) or as WebDataset tar shards (10,000 samples each, "
+                   "ingested with dataset.format=webdataset: val/test assigned by hash)")
+    b.add_argument("--quiet-check", action="store_true", help="scale: measure the cores other processes used "
+                   "during each stage run (/proc/stat minus the run's own CPU) and the load average; a row where "
+                   "others used more than 0.25 cores is marked noisy")
     b.add_argument("--bad-every", type=int, default=1000, help="import: every N-th record has a corrupt features "
                    "field, to be counted as a reject (default 1000; 0 = none)")
     b.add_argument("--tmp", help="folder for the benchmark's temporary files (default: system temp)")

@@ -154,7 +154,8 @@ def test_ingest_json_on_planted_faults(capsys, synthetic_small: Path, tmp_path: 
     layout = Workdir(wd)
     saved = Dataset.load(layout.dataset(s["digest"]))
     assert saved.digest == s["digest"] and len(saved.images) == s["images"]
-    assert s["output"] == str(layout.dataset(s["digest"])) == str(wd / "datasets" / f"dataset-{s['digest'][:16]}.parquet")
+    assert s["output"] == str(layout.dataset(s["digest"])) == str(wd / "datasets" /
+                                                                 f"dataset-{s['digest'][:16]}.parquet")
     assert s["rejects"] == str(layout.rejects(s["digest"]))
     rejects = json.loads(Path(s["rejects"]).read_text())
     assert [r["image_id"] for r in rejects["rejected"]] == [r["image_id"] for r in s["rejected"]]

@@ -1,10 +1,13 @@
 """The scale bench's driver (:func:`run`): per size, the data generated in a child process, then every selected
-stage measured in fresh processes (the fastest of ``repeats`` kept); then each stage's fit, the feature-store disk
-table (:func:`disk_table`) and the markdown table."""
+stage measured in fresh processes (``repeats`` runs: the median wall and CPU time, the largest peak memory; with
+``quiet_check`` the machine's load during each run); then each stage's fit, the feature-store disk table
+(:func:`disk_table`) and the markdown table. :data:`PRESETS`: named runs (``cc3m-dry``), with a time estimate
+(:func:`captioning.bench.scale.report.estimate`)."""
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -15,12 +18,21 @@ from typing import Any
 import numpy as np
 
 from captioning.bench.machine import machine_info
-from captioning.bench.scale.data import CAPTIONS_PER_IMAGE, PLANTED, ZIPF
-from captioning.bench.scale.measure import MotoEndpoint, spawn, tree_bytes
+from captioning.bench.scale.data import CAPTIONS_PER_IMAGE, INPUTS, PLANTED, SHARD_SAMPLES, SHARD_SPLITS, ZIPF
+from captioning.bench.scale.measure import NOISY_CORES, LoadWindow, MotoEndpoint, spawn, tree_bytes
 from captioning.bench.scale.report import EXTRAPOLATE_TO, fit_stage, table
 from captioning.bench.scale.stages import STAGES, Stage
 
-__all__ = ["disk_table", "run"]
+__all__ = ["PRESETS", "disk_table", "run"]
+
+# named runs of `capflow bench scale --preset NAME`: run()'s keyword arguments (--sizes overrides sizes)
+PRESETS: dict[str, dict[str, Any]] = {
+    # the data side of a Conceptual Captions 3M dry run, stage by stage: 3.3M images of one caption each in
+    # img2dataset tar shards -> ingest -> vocabulary + label store -> SCST's CIDEr-D set-up + reward batches,
+    # plus the lineage digests; one size (no exponents: the time of each stage at CC3M's count)
+    "cc3m-dry": {"sizes": (3_300_000,), "stages": ("ingest", "vocab", "cider", "digests"), "captions_per_image": 1,
+                 "input_kind": "shards", "disk": False, "repeats": 1, "quiet_check": True},
+}
 
 _GENERATE = "captioning.bench.scale.data:generate"
 
@@ -45,10 +57,11 @@ class _Measurement:
 
     def __init__(self, registry: Mapping[str, Stage], names: Sequence[str], data: Mapping[str, Any],
                  rates: Mapping[str, int], s3_max_images: int, repeats: int, moto: MotoEndpoint,
-                 progress: bool) -> None:
+                 progress: bool, quiet_check: bool = False) -> None:
         self.registry, self.names = registry, names
         self.data, self.rates = data, rates  # the generator's parameters and planted fault rates
-        self.s3_max_images, self.repeats, self.moto, self.progress = s3_max_images, repeats, moto, progress
+        self.s3_max_images, self.repeats, self.moto, self.progress = s3_max_images, max(1, repeats), moto, progress
+        self.quiet_check = quiet_check
         self.rows: list[dict[str, Any]] = []
         self.not_measured: list[dict[str, Any]] = []
         self.generated: list[dict[str, Any]] = []
@@ -64,6 +77,8 @@ class _Measurement:
             self.generate(n, base, s3_uri)
         outs = {name: base / "out" / (self.registry[name].out_of or name) for name in self.registry}
         common = {"images": n, "annotations": str(base / "annotations.json"), "images_root": str(base / "images"),
+                  "shards_root": str(base / "shards"), "input": self.data["input"],
+                  "captions_per_image": self.data["captions_per_image"],
                   "features": str(base / "features.zarr"), "root": str(base),
                   **{f"{name.replace('-', '_')}_out": str(path) for name, path in outs.items()}}
         for name in self.names:
@@ -87,27 +102,73 @@ class _Measurement:
         out.mkdir(parents=True, exist_ok=True)
         params = {**common, "out": str(out), **({"features": s3_uri} if st.s3 else {})}
         self.say(f"[scale] {name} at {n} images")
-        got = self.best_of({"func": st.func, "imports": list(st.imports), "params": params}, st, out)
-        self.rows.append({"stage": name, "images": n, "seconds": got["seconds"], "cpu_seconds": got["cpu_seconds"],
-                          "peak_rss_mb": got["peak_rss_mb"], "start_rss_mb": got["start_rss_mb"],
-                          "work_rss_mb": max(0.0, got["peak_rss_mb"] - got["start_rss_mb"]),
-                          "write_bytes": got["write_bytes"], "output_bytes": got["output_bytes"],
-                          "peak_reset": got["peak_reset"], "counts": got["counts"]})
-        self.say(f"[scale]   {got['seconds']:.2f} s, peak {got['peak_rss_mb']:.0f} MiB")
+        runs = self.runs({"func": st.func, "imports": list(st.imports), "params": params}, st, out)
+        row = _summarise(runs, quiet=self.quiet_check)
+        self.rows.append({"stage": name, "images": n, **row})
+        self.say(f"[scale]   {row['seconds']:.2f} s, peak {row['peak_rss_mb']:.0f} MiB"
+                 + (f" ({len(runs)} runs: median, max)" if len(runs) > 1 else "")
+                 + (f", others {row['others_cpu_per_s']:.2f} cores" + (" NOISY" if row["noisy"] else "")
+                    if self.quiet_check and row.get("others_cpu_per_s") is not None else ""))
 
-    def best_of(self, spec: Mapping[str, Any], st: Stage, out: Path) -> dict[str, Any]:
-        """``repeats`` runs of ``spec``, each in a fresh process: the fastest run, with the least CPU time."""
-        got = spawn(spec, env=self.moto.env)
-        for _ in range(self.repeats - 1):
-            if st.out_of is None:  # the same start as the first run (ingest: a cold hash cache)
+    def runs(self, spec: Mapping[str, Any], st: Stage, out: Path) -> list[dict[str, Any]]:
+        """``repeats`` runs of ``spec``, each in a fresh process, every one from the same start (the output folder
+        emptied before each but the first, unless the stage works in another's folder: ingest's cold hash cache
+        lives there); with the quiet check, each with the machine's load meanwhile (``load``)."""
+        got = []
+        for k in range(self.repeats):
+            if k and st.out_of is None:
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir(parents=True)
-            again = spawn(spec, env=self.moto.env)
-            if again["seconds"] < got["seconds"]:
-                got = {**again, "cpu_seconds": min(again["cpu_seconds"], got["cpu_seconds"])}
-            else:
-                got["cpu_seconds"] = min(again["cpu_seconds"], got["cpu_seconds"])
+            window = LoadWindow()
+            window.start()
+            res = spawn(spec, env=self.moto.env)
+            if self.quiet_check:
+                res["load"] = window.stop()
+            got.append(res)
         return got
+
+
+_RAW = ("seconds", "cpu_seconds", "peak_rss_mb", "start_rss_mb", "write_bytes")
+
+
+def _summarise(runs: Sequence[Mapping[str, Any]], quiet: bool) -> dict[str, Any]:
+    """One row from a stage's runs at one size: the median wall and CPU seconds (other work on a shared machine
+    adds time to some runs; the median of 3 ignores one such run either way), the largest peak memory and memory
+    above the start, the smallest start; bytes and counts of the last run (whose outputs are left behind); every
+    run's own numbers in ``runs``. With the quiet check: the median and largest ``others_cpu_per_s`` (cores other
+    processes used meanwhile), the first run's load average, and ``noisy`` when the median is above
+    :data:`~captioning.bench.scale.measure.NOISY_CORES`."""
+    last = runs[-1]
+    row = {"seconds": statistics.median(r["seconds"] for r in runs),
+           "cpu_seconds": statistics.median(r["cpu_seconds"] for r in runs),
+           "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "start_rss_mb": min(r["start_rss_mb"] for r in runs),
+           "work_rss_mb": max(max(0.0, r["peak_rss_mb"] - r["start_rss_mb"]) for r in runs),
+           "write_bytes": last["write_bytes"], "output_bytes": last["output_bytes"],
+           "peak_reset": all(r["peak_reset"] for r in runs), "counts": last["counts"]}
+    raw = []
+    for r in runs:
+        one = {k: r[k] for k in _RAW}
+        if quiet:
+            one.update({k: r["load"][k] for k in ("others_cpu_per_s", "loadavg_start", "noisy")})
+        raw.append(one)
+    row["runs"] = raw
+    if quiet:
+        others = [r["load"]["others_cpu_per_s"] for r in runs if r["load"]["others_cpu_per_s"] is not None]
+        med = statistics.median(others) if others else None
+        row.update({"others_cpu_per_s": med, "others_cpu_per_s_max": max(others) if others else None,
+                    "loadavg_start": runs[0]["load"]["loadavg_start"],
+                    "noisy": None if med is None else med > NOISY_CORES})
+    return row
+
+
+def _quiet_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    measured = [r for r in rows if r.get("others_cpu_per_s") is not None]
+    loads = [r["loadavg_start"] for r in rows if r.get("loadavg_start") is not None]
+    return {"threshold_cores": NOISY_CORES, "rows": len(rows), "measured_rows": len(measured),
+            "noisy_rows": sum(bool(r.get("noisy")) for r in rows),
+            "noisy": [f"{r['stage']}@{r['images']}" for r in rows if r.get("noisy")],
+            "max_others_cpu_per_s": max((r["others_cpu_per_s"] for r in measured), default=None),
+            "max_loadavg_start": max(loads, default=None)}
 
 
 def _fits(names: Sequence[str], rows: Sequence[Mapping[str, Any]], registry: Mapping[str, Stage]
@@ -118,6 +179,9 @@ def _fits(names: Sequence[str], rows: Sequence[Mapping[str, Any]], registry: Map
         f = fit_stage([r for r in rows if r["stage"] == name])
         te = f["time_exponent"]
         f["what"] = registry[name].what
+        fitted = [r for r in rows if r["stage"] == name and r["images"] in f["sizes"]]
+        if any("noisy" in r for r in fitted):
+            f["noisy"] = any(bool(r.get("noisy")) for r in fitted)
         f["time_ok"] = te is None or te <= 1.1 or bool(f.get("time_noise"))
         fits[name] = f
     return fits
@@ -127,23 +191,34 @@ def run(sizes: Sequence[int] = (1000, 10_000, 100_000), stages: Sequence[str] | 
         extra_stages: Mapping[str, Stage] | None = None, dim: int = 64, max_boxes: int = 36, chunk_rows: int = 8,
         dtype: str = "float16", s3_max_images: int = 10_000, disk: bool = True,
         planted: Mapping[str, int] | None = None, repeats: int = 1, workdir: str | None = None, keep: bool = False,
-        progress: bool = False) -> dict[str, Any]:
+        progress: bool = False, captions_per_image: int = CAPTIONS_PER_IMAGE, input_kind: str = "karpathy",
+        quiet_check: bool = False) -> dict[str, Any]:
     """Measure ``stages`` (default: every default stage, with ``extra_stages`` added after the library's) at each
-    of ``sizes`` images. ``planted``: the fault rates (:data:`PLANTED` keys). ``repeats``: runs of each stage at each
-    size, each in a fresh process and (unless it works in another stage's folder) on an emptied output folder,
-    the fastest kept (wall and CPU time each): other work on a shared machine only ever adds time. See the
+    of ``sizes`` images. ``planted``: the fault rates (:data:`PLANTED` keys). ``captions_per_image``: 5 =
+    COCO-shaped, 1 = Conceptual-Captions-shaped. ``input_kind``: ``karpathy`` (annotations.json + image files) or
+    ``shards`` (WebDataset tar shards, ingested with ``dataset.format=webdataset``). ``repeats``: runs of each
+    stage at each size, each in a fresh process and (unless it works in another stage's folder) on an emptied
+    output folder; the row reports the median wall and the median CPU time (use 3 for exponents: one disturbed run
+    moves neither), the largest peak memory, and every run's own numbers (``runs``). ``quiet_check``: measure the
+    cores other processes used during every run (``others_cpu_per_s``, ``loadavg_start``) and mark a row ``noisy``
+    above :data:`~captioning.bench.scale.measure.NOISY_CORES`; summarised in ``quiet_check``. See the
     :mod:`captioning.bench.scale` docstring."""
     sizes = sorted({int(s) for s in sizes})
     if not sizes or sizes[0] < 20:
         raise ValueError("sizes must be image counts of at least 20")
+    if input_kind not in INPUTS:
+        raise ValueError(f"input must be one of {', '.join(INPUTS)}, not {input_kind!r}")
+    if captions_per_image < 1 or repeats < 1:
+        raise ValueError("captions per image and repeats must be at least 1")
     rates = {**PLANTED, **(planted or {})}
     registry = {**STAGES, **(extra_stages or {})}
     names = _closure(list(stages) if stages else [n for n, s in registry.items() if s.default], registry)
     root = Path(tempfile.mkdtemp(prefix="capflow-bench-scale-", dir=workdir))
     moto = MotoEndpoint()
     use_s3 = any(registry[n].s3 for n in names) and sizes[0] <= s3_max_images
-    data = {"dim": dim, "max_boxes": max_boxes, "chunk_rows": chunk_rows, "dtype": dtype}
-    bench = _Measurement(registry, names, data, rates, s3_max_images, repeats, moto, progress)
+    data = {"dim": dim, "max_boxes": max_boxes, "chunk_rows": chunk_rows, "dtype": dtype, "input": input_kind,
+            "captions_per_image": captions_per_image}
+    bench = _Measurement(registry, names, data, rates, s3_max_images, repeats, moto, progress, quiet_check)
     try:
         if use_s3:
             moto.start()
@@ -162,10 +237,12 @@ def run(sizes: Sequence[int] = (1000, 10_000, 100_000), stages: Sequence[str] | 
         "bench": "scale",
         "machine": machine_info(),
         "params": {"sizes": sizes, "stages": names, "feature_dim": dim, "max_boxes": max_boxes,
-                   "chunk_rows": chunk_rows, "dtype": dtype, "captions_per_image": CAPTIONS_PER_IMAGE,
+                   "chunk_rows": chunk_rows, "dtype": dtype, "captions_per_image": captions_per_image,
+                   "input": input_kind,
+                   **({"shard_samples": SHARD_SAMPLES, "shard_splits": SHARD_SPLITS} if input_kind == "shards" else {}),
                    "s3_max_images": s3_max_images, "extrapolate_to": list(EXTRAPOLATE_TO), "zipf": ZIPF,
-                   "planted": rates, "repeats": repeats,
-                   "kept": str(root) if keep else None},
+                   "planted": rates, "repeats": repeats, "repeats_summary": "median wall and CPU s, max peak RSS",
+                   "quiet_check": quiet_check, "kept": str(root) if keep else None},
         "generated": bench.generated,
         "rows": bench.rows,
         "stages": fits,
@@ -173,6 +250,8 @@ def run(sizes: Sequence[int] = (1000, 10_000, 100_000), stages: Sequence[str] | 
         "ratios": {f"{k}_time_exponent": v["time_exponent"] for k, v in fits.items()
                    if v["time_exponent"] is not None},
     }
+    if quiet_check:
+        out["quiet_check"] = _quiet_summary(bench.rows)
     if disk:
         out["disk_per_100k_images"] = disk_table(workdir=workdir)
     out["table"] = table(out)

@@ -1,5 +1,6 @@
 """Measuring one scale-bench stage in a fresh child process (time, CPU, peak resident memory, bytes written and
-output bytes), and the moto S3 endpoint the ``loader-s3`` stage reads from.
+output bytes), the machine's load while it ran (:class:`LoadWindow`), and the moto S3 endpoint the ``loader-s3``
+stage reads from.
 
 The child (:func:`child`, run by ``python -m captioning.bench.scale SPEC``) imports the stage's modules first,
 waits until the threads they started are idle, resets the peak resident memory (``/proc/self/clear_refs``), then
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -25,7 +27,9 @@ from typing import Any
 
 from captioning.bench.machine import status_mb
 
-__all__ = ["MotoEndpoint", "child", "spawn", "tree_bytes"]
+NOISY_CORES = 0.25  # other processes using more than this many cores on average mark a measurement noisy
+
+__all__ = ["NOISY_CORES", "LoadWindow", "MotoEndpoint", "busy_cpu_seconds", "child", "spawn", "tree_bytes"]
 
 
 def tree_bytes(path: str | Path) -> int:
@@ -101,6 +105,58 @@ def spawn(spec: Mapping[str, Any], env: Mapping[str, str] | None = None, timeout
     if proc.returncode != 0:
         raise RuntimeError(f"stage {spec['func']} failed (exit {proc.returncode}): {proc.stderr.strip()[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine (every CPU ``/proc/stat`` lists; in a container, the host's) has been busy
+    since boot: user + nice + system + irq + softirq + steal (guest time is inside user). None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:  # pragma: no cover - not Linux
+        return None
+    if not fields or fields[0] != "cpu":  # pragma: no cover
+        return None
+    ticks = [int(x) for x in fields[1:9]] + [0] * max(0, 9 - len(fields))
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children waited for (the measured child and what it waited for)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class LoadWindow:
+    """The machine's load around one measured child run: :meth:`start` before it is spawned, :meth:`stop` after it
+    was waited for. ``others_cpu_per_s`` = (CPU seconds the whole machine was busy - those of this process and its
+    waited-for children) / wall seconds: the average cores other processes used meanwhile (``/proc/stat`` counts
+    in 1/100 s ticks per CPU: about +-0.02 cores per CPU over a 1 s window). ``loadavg_start``: the 1-minute load
+    average when it started (it includes the bench's own previous runs)."""
+
+    def __init__(self, threshold: float = NOISY_CORES) -> None:
+        self.threshold = threshold
+        self.busy0: float | None = None
+        self.own0 = self.t0 = 0.0
+        self.load0: float | None = None
+
+    def start(self) -> None:
+        try:
+            self.load0 = os.getloadavg()[0]
+        except OSError:  # pragma: no cover - not available
+            self.load0 = None
+        self.busy0, self.own0, self.t0 = busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.perf_counter() - self.t0
+        busy1, own1 = busy_cpu_seconds(), _own_cpu_seconds()
+        if self.busy0 is None or busy1 is None or wall <= 0:  # pragma: no cover - not Linux
+            return {"others_cpu_per_s": None, "loadavg_start": self.load0, "window_seconds": wall, "noisy": None}
+        machine, own = busy1 - self.busy0, own1 - self.own0
+        others = max(0.0, machine - own) / wall
+        return {"others_cpu_per_s": others, "machine_cpu_seconds": machine, "own_cpu_seconds": own,
+                "loadavg_start": self.load0, "window_seconds": wall, "noisy": others > self.threshold}
 
 
 class MotoEndpoint:

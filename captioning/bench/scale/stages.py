@@ -21,11 +21,18 @@ __all__ = ["STAGES", "Stage", "stage_cider", "stage_coco_eval", "stage_digests",
 
 
 def _config(p: Mapping[str, Any]):
+    """The pipeline config of the size's data: its Karpathy annotations + image files, or (``input`` shards) its
+    WebDataset shards (``dataset.format=webdataset``, the val/test assignment the generator expects)."""
+    from captioning.bench.scale.data import SHARD_SPLITS
     from captioning.config import PipelineConfig
 
     # the planted empty files are 0.2% by default; tests plant more
-    return PipelineConfig.model_validate({"run": {"workdir": p["out"]}, "dataset": {
-        "annotations": p["annotations"], "images": p["images_root"], "max_reject_fraction": 0.05}})
+    if p.get("input", "karpathy") == "shards":
+        dataset = {"format": "webdataset", "images": p["shards_root"], "max_reject_fraction": 0.05,
+                   "shards": {"files": ["*.tar"], **SHARD_SPLITS}}
+    else:
+        dataset = {"annotations": p["annotations"], "images": p["images_root"], "max_reject_fraction": 0.05}
+    return PipelineConfig.model_validate({"run": {"workdir": p["out"]}, "dataset": dataset})
 
 
 def stage_ingest(p: Mapping[str, Any]) -> dict[str, Any]:
@@ -46,8 +53,10 @@ def stage_ingest(p: Mapping[str, Any]) -> dict[str, Any]:
     wd.rejects(f.digest).write_text(json.dumps(rejects, indent=1, ensure_ascii=False), encoding="utf-8")
     link = Path(p["out"]) / "dataset.path"
     link.write_text(str(path), encoding="utf-8")
+    splits = f.head["splits"]
     return {"images": summary["images"], "captions": summary["captions"], "rejected": len(summary["rejected"]),
-            "dropped_captions": len(summary["dropped_captions"]), "entries": f.entries, "outputs": [p["out"]]}
+            "dropped_captions": len(summary["dropped_captions"]), "entries": f.entries,
+            "splits": {k: int(splits.get(k, 0)) for k in ("train", "val", "test")}, "outputs": [p["out"]]}
 
 
 def _dataset_path(p: Mapping[str, Any]) -> str:
@@ -90,12 +99,12 @@ def stage_region_stats(p: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def stage_loader(p: Mapping[str, Any]) -> dict[str, Any]:
-    """One training epoch of the train split through ``CaptionDataset`` + ``make_loader`` (batch 50, 5 captions
-    per image, shuffled, in-process), from the feature store at ``p['features']`` (local or s3://)."""
+    """One training epoch of the train split through ``CaptionDataset`` + ``make_loader`` (batch 50, the data's
+    captions per image, shuffled, in-process), from the feature store at ``p['features']`` (local or s3://)."""
     from captioning.data.loader import CaptionDataset, ZarrFeatures, make_loader
 
-    ds = CaptionDataset(ZarrFeatures(p["features"]), _labels_uri(p), split="train", captions_per_image=5,
-                        shuffle=True, seed=0)
+    ds = CaptionDataset(ZarrFeatures(p["features"]), _labels_uri(p), split="train",
+                        captions_per_image=int(p.get("captions_per_image", 5)), shuffle=True, seed=0)
     images = batches = regions = 0
     for batch in make_loader(ds, batch_size=50):
         images += len(batch)
@@ -200,10 +209,10 @@ class Stage:
 
 _M = "captioning.bench.scale.stages"
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("ingest", f"{_M}:stage_ingest", "parse + validate + hash images (cold hash cache) + write the dataset JSON",
-          ("captioning.data.prepare",)),
+    Stage("ingest", f"{_M}:stage_ingest", "parse + validate + hash images (cold hash cache) + write the dataset file",
+          ("captioning.data.prepare", "captioning.data.shards")),
     Stage("ingest-warm", f"{_M}:stage_ingest", "ingest again, image hashes cached (what every pipeline run pays)",
-          ("captioning.data.prepare",), needs=("ingest",), out_of="ingest"),
+          ("captioning.data.prepare", "captioning.data.shards"), needs=("ingest",), out_of="ingest"),
     Stage("vocab", f"{_M}:stage_vocab", "vocabulary + label store + its digest", ("captioning.data.prepare",),
           needs=("ingest",)),
     Stage("region-stats", f"{_M}:stage_region_stats", "training-split region statistics (<= 4096 images)",
