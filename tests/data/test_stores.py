@@ -284,3 +284,14 @@ def test_resuming_an_older_store_records_checksums_from_then_on(tmp_path):
                    status=np.full(4, OK, np.int8))
     r = FeatureStore.open(s.uri).verify()
     assert r.checked == 2 and not r.unverified and r.ok
+
+
+def test_row_index_maps_ids_to_rows_like_a_dict(tmp_path):
+    from captioning.data.stores.features import RowIndex
+
+    ids = np.array([40, 7, 99, 12, 5], np.int64)
+    idx = RowIndex(ids)
+    assert dict(idx) == {40: 0, 7: 1, 99: 2, 12: 3, 5: 4} and list(idx) == [40, 7, 99, 12, 5] and len(idx) == 5
+    assert idx[99] == 2 and idx.get(6) is None and 6 not in idx and 5 in idx
+    with pytest.raises(KeyError):
+        idx[100]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,27 @@ class FeatureBlock:
     status: np.ndarray
     image_size: np.ndarray
     extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class RowIndex(Mapping[int, int]):
+    """image id -> store row as sorted numpy arrays (16 bytes an image, not a dict's ~100); iterates in row order."""
+
+    def __init__(self, image_ids: np.ndarray) -> None:
+        self._by_row = np.asarray(image_ids, np.int64)
+        self._order = np.argsort(self._by_row, kind="stable")
+        self._sorted = self._by_row[self._order]
+
+    def __getitem__(self, image_id: int) -> int:
+        k = int(np.searchsorted(self._sorted, image_id))
+        if k < len(self._sorted) and self._sorted[k] == image_id:
+            return int(self._order[k])
+        raise KeyError(image_id)
+
+    def __len__(self) -> int:
+        return len(self._by_row)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._by_row.tolist())
 
 
 class FeatureStore(ChunkedStore):
@@ -241,8 +262,9 @@ class FeatureStore(ChunkedStore):
     def status(self, start: int | None = None, stop: int | None = None) -> np.ndarray:
         return self._read("status", start, stop)
 
-    def row_of(self) -> dict[int, int]:
-        return {int(i): r for r, i in enumerate(self.image_ids())}
+    def row_of(self) -> RowIndex:
+        """image id -> row (numpy-backed: a dict of millions of ids would be the largest object of its stage)."""
+        return RowIndex(self.image_ids())
 
     def pending_chunks(self) -> list[int]:
         """Chunks with at least one row not yet written (resume starts here)."""
