@@ -29,10 +29,12 @@ tf-idf entries, per-order norms and length, and per image the sorted distinct n-
 candidates' n-grams against a dense (image n-gram x reference) weight block of their images.
 
 SCST's scorer (:meth:`CiderD.from_csr`) keeps the training references as compact arrays instead
-(:mod:`captioning.metrics.cider_refs`: flat tokens, caption and image offsets; the table's ids int32, the document
-counts int32, the idf by count): its document frequencies are counted a block of images at a time without
-per-(caption, n-gram) entries, and a batch's reference vectors are computed when it is scored, with the
-precomputation's own operations - the scores are those of the dict-built scorer bit for bit.
+(:mod:`captioning.metrics.cider_refs`: flat tokens, caption and image offsets; the document counts int32, the idf
+by count) and a table of the n-grams of two images or more only (:mod:`captioning.metrics.cider_pruned`: built one
+order at a time in chunks of a bounded number of images, without per-(caption, n-gram) entries); a batch's
+references and candidates are encoded together when it is scored, so that the n-grams of a single image still
+match, and the matches are summed in the full table's id order - the scores are those of the dict-built scorer
+bit for bit.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from itertools import chain, pairwise
 
 import numpy as np
 
+from captioning.metrics.cider_pruned import PrunedTable
 from captioning.metrics.cider_refs import CountIdf, CsrReferences, _NgramIndex
 from captioning.metrics.cider_refs import ragged_arange as _ragged_arange
 
@@ -89,17 +92,11 @@ def _as_references(references: Mapping[Hashable, Sequence] | None) -> tuple[list
 class _Corpus:
     """Encoded references: term frequencies per (reference, n-gram) and, per image, its distinct n-grams."""
 
-    def __init__(self, index: _NgramIndex, caps: list[list] | None, n: int, add: bool = False,
-                 words: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
-        """``caps``: per image its references; or ``words`` = (flat word ids, tokens per reference, references
-        per image)."""
-        if words is None:
-            flat = list(chain.from_iterable(caps))
-            self.n_refs = np.array([len(c) for c in caps], np.int64)
-            enc = index.encode(flat, add=add, n=n)
-        else:
-            self.n_refs = np.asarray(words[2], np.int64)
-            enc = index.encode(None, add=add, n=n, words=(words[0], words[1]))
+    def __init__(self, index: _NgramIndex, caps: list[list], n: int, add: bool = False):
+        """``caps``: per image its references."""
+        flat = list(chain.from_iterable(caps))
+        self.n_refs = np.array([len(c) for c in caps], np.int64)
+        enc = index.encode(flat, add=add, n=n)
         self.img_of_ref = np.repeat(np.arange(len(self.n_refs), dtype=np.int64), self.n_refs)
         ref, order, gid, tf, self.lengths = enc
         self.ref, self.order, self.tf = ref, order, tf
@@ -133,6 +130,7 @@ class DocumentFrequency:
         self._df = df  # float64 over the combined ids (see _NgramIndex.offsets)
         self.n_docs = int(n_docs)
         self.n = index.n
+        self._absent = None  # df of an n-gram the table lacks (a pruned table: PrunedTable.count_images); else 0
 
     @classmethod
     def from_references(cls, references: Mapping[Hashable, Sequence], n: int = 4) -> DocumentFrequency:
@@ -179,7 +177,9 @@ class DocumentFrequency:
         if isinstance(ngram, str):
             ngram = ngram.split()
         k1, gid = self._index.lookup(tuple(ngram))
-        return 0.0 if gid < 0 else float(self._df[self._index.offsets()[k1] + gid])
+        if gid < 0:
+            return 0.0 if self._absent is None else float(self._absent(tuple(ngram)))
+        return float(self._df[self._index.offsets()[k1] + gid])
 
 
 class CiderD:
@@ -243,7 +243,7 @@ class CiderD:
         def offsets_of(name: str) -> np.ndarray:
             return np.concatenate([[0], np.cumsum(cat(name, np.int64))]).astype(np.int64)
 
-        self._csr = None
+        self._csr = self._pruned = self._distinct = None
         self._img_ref_off = np.concatenate([[0], np.cumsum(n_refs)]).astype(np.int64)
         self._ref_norm = cat("norm", np.float64, (0, n))
         self._ref_len = cat("len", np.float64)
@@ -283,13 +283,8 @@ class CiderD:
     def _image_arrays(self, u_img: np.ndarray):
         """The scoring arrays of the images ``u_img`` (indices, distinct): ``(row_cid, row_count, ent_count,
         ent_row, ent_col, ent_tf, ref_count, ref_norm, ref_len)``, concatenated in the order of ``u_img`` (per
-        image ``row_count`` rows, ``ent_count`` entries, ``ref_count`` references). Precomputed references: a
-        gather; compact (CSR) references: computed now, with the same operations as the precomputation."""
-        if self._csr is not None:
-            corpus = self._corpus_of(u_img)
-            p = self._reference_parts(corpus, len(u_img))
-            return (p["cid"], p["rows"], p["ents"], p["row"], p["col"], p["tf"], corpus.n_refs, p["norm"],
-                    p["len"])
+        image ``row_count`` rows, ``ent_count`` entries, ``ref_count`` references): a gather of the precomputed
+        arrays (a CSR scorer computes its batches' reference vectors in :meth:`PrunedTable.dots` instead)."""
         row_start = self._img_row_off[u_img]
         row_count = self._img_row_off[u_img + 1] - row_start
         row_cid = self._row_cid[_ragged_arange(row_start, row_count)]
@@ -315,49 +310,30 @@ class CiderD:
         ``append`` when given (SCST's ``<eos>``). Document frequencies come from these references.
 
         The scores are exactly (bit for bit) those of ``CiderD.from_token_ids({id: [[*tokens, append], ...]})``
-        with Python-int token lists, but nothing is kept per caption, image or n-gram in Python: the n-gram table
-        and the document counts are arrays, built a block of images at a time, and each scored batch's reference
-        vectors are computed from the (shared, not copied) token arrays when it is scored.
+        with Python-int token lists, but nothing is kept per caption, image or n-gram in Python, and the n-gram
+        table only has the n-grams of at least two images (:class:`~captioning.metrics.cider_pruned.PrunedTable`,
+        built one order at a time in bounded chunks of images); each scored batch's reference vectors are computed
+        from the (shared, not copied) token arrays when it is scored. ``df`` looks up an n-gram of a single image by
+        a scan of the references; ``len(df)`` is the pruned table's size, :attr:`table_size` the full one's.
         """
         refs = CsrReferences(tokens, token_offsets, caption_offsets, image_ids, append)
         if not len(refs):
             raise ValueError("CiderD needs references (or a precomputed df)")
         if n < 1:
             raise ValueError("n must be >= 1")
-        index = _NgramIndex(n)
-        counts = [_EMPTY] * (n + 1)
-        for lo, hi in _block_edges(refs.n_refs):
-            toks, lengths = refs.caption_tokens(np.arange(refs.caption_offsets[lo], refs.caption_offsets[hi]))
-            w = index.word_ids_flat(toks, add=True)
-            del toks
-            doc = np.repeat(np.arange(hi - lo, dtype=np.int64), refs.n_refs[lo:hi])
-            index.add_documents(w, lengths, doc, counts)
-            del w, lengths, doc
-        sizes = [len(index.vocab), *index.sizes[2:]]
-        df_counts = np.concatenate([np.concatenate([counts[k], np.zeros(sizes[k - 1] - len(counts[k]), np.int64)])
-                                    for k in range(1, n + 1)])
-        df_counts = df_counts.astype(np.int32 if len(refs) < 2**31 else np.int64)
-        del counts
-        df = DocumentFrequency(index, df_counts, len(refs))
+        table = PrunedTable(refs, n, _block_edges(refs.n_refs))
+        df = DocumentFrequency(table.index, table.counts, len(refs))
+        df._absent = table.count_images
         self = cls.__new__(cls)
         self.n, self.sigma, self.df = n, float(sigma), df
         self.ids = refs.image_ids
         self.references = None  # the token arrays are in self._csr
-        self._index, self._img_index, self._csr = index, None, refs
+        self._index, self._img_index, self._csr, self._pruned = table.index, None, refs, table
+        self._distinct = table.distinct
         self._log_n = np.log(float(df.n_docs))
-        self._offsets = index.offsets()
-        self._idf = CountIdf(df_counts, self._log_n)
-        big = self._big = max(int(self._offsets[n]), 1)
-        self._cid_dtype = np.int32 if big < 2**31 else np.int64
-        self._col_dtype = np.int8 if refs.n_refs.max() < 128 else np.int32
+        self._offsets = table.offsets
+        self._idf = CountIdf(table.counts, self._log_n)
         return self
-
-    def _corpus_of(self, u_img: np.ndarray) -> _Corpus:
-        """The encoded references of the images ``u_img`` (positions) of a CSR scorer."""
-        refs = self._csr
-        toks, lengths = refs.caption_tokens(refs.captions_of(u_img))
-        w = self._index.word_ids_flat(toks, add=False)
-        return _Corpus(self._index, None, self.n, words=(w, lengths, refs.n_refs[u_img]))
 
     def _lookup(self, ref_ids: Sequence[Hashable]) -> np.ndarray:
         if self._csr is not None:
@@ -375,8 +351,9 @@ class CiderD:
 
     @property
     def table_size(self) -> int:
-        """Number of n-grams in this scorer's table (look-ups never change it)."""
-        return len(self._index)
+        """Number of distinct n-grams of this scorer's references and df (look-ups never change it); a CSR
+        scorer's table only keeps those of two images or more."""
+        return len(self._index) if self._distinct is None else self._distinct
 
     def score(self, candidates: Mapping[Hashable, str]) -> tuple[float, dict[Hashable, float]]:
         """``{image id: one tokenised caption}`` against ``self.references[id]``: (mean, per-id scores)."""
@@ -385,15 +362,9 @@ class CiderD:
         per_id = dict(zip(keys, scores.tolist(), strict=True))
         return (float(np.mean(scores)) if len(scores) else 0.0), per_id
 
-    def score_batch(self, candidates: Sequence[Sequence[int] | str], ref_ids: Sequence[Hashable]) -> np.ndarray:
-        """CIDEr-D of ``candidates[i]`` (a tokenised string or a token-id sequence, tokens exactly as they are
-        to be rewarded, e.g. up to and including EOS, no padding) against the references of ``ref_ids[i]``."""
+    def _dots(self, candidates: Sequence[Sequence[int] | str], img: np.ndarray):
+        """:meth:`score_batch`'s parts from the precomputed references (see :meth:`PrunedTable.dots`)."""
         n_c = len(candidates)
-        if len(ref_ids) != n_c:
-            raise ValueError(f"{n_c} candidates but {len(ref_ids)} ref_ids")
-        if n_c == 0:
-            return np.zeros(0, np.float64)
-        img = self._lookup(ref_ids)
         n, big = self.n, self._big
 
         # candidate vectors (n-grams the table lacks: df 0, weight tf * log(N): they count in the norm only)
@@ -418,12 +389,6 @@ class CiderD:
         r_max = int(ref_count.max())
         weights = np.zeros((len(row_keys), r_max), np.float64)
         weights[row, ent_col] = ent_tf * self._idf[row_cid[row]]
-        j_u = np.repeat(u_range, ref_count)
-        j_col = _ragged_arange(np.zeros(n_u, np.int64), ref_count)
-        ref_norm = np.zeros((n_u, r_max, n), np.float64)
-        ref_norm[j_u, j_col] = ref_norm_g
-        ref_len = np.zeros((n_u, r_max), np.float64)
-        ref_len[j_u, j_col] = ref_len_g
 
         # clipped dot products sum_g min(v_h, v_r) v_r, per (candidate, order, reference)
         se = np.flatnonzero(seen)
@@ -442,6 +407,30 @@ class CiderD:
             # float64 even when nothing hit (bincount of empty weights returns int64)
             dot = np.bincount(flat, weights=contrib.reshape(-1), minlength=n_c * n * r_max)
             dot = dot.astype(np.float64, copy=False)
+        return dot, norm_h, len_h, ref_count, ref_norm_g, ref_len_g, u_inv
+
+    def score_batch(self, candidates: Sequence[Sequence[int] | str], ref_ids: Sequence[Hashable]) -> np.ndarray:
+        """CIDEr-D of ``candidates[i]`` (a tokenised string or a token-id sequence, tokens exactly as they are
+        to be rewarded, e.g. up to and including EOS, no padding) against the references of ``ref_ids[i]``."""
+        n_c = len(candidates)
+        if len(ref_ids) != n_c:
+            raise ValueError(f"{n_c} candidates but {len(ref_ids)} ref_ids")
+        if n_c == 0:
+            return np.zeros(0, np.float64)
+        img = self._lookup(ref_ids)
+        n = self.n
+        if self._pruned is not None:
+            dot, norm_h, len_h, ref_count, ref_norm_g, ref_len_g, u_inv = self._pruned.dots(
+                candidates, img, self._idf, self._log_n, self._length)
+        else:
+            dot, norm_h, len_h, ref_count, ref_norm_g, ref_len_g, u_inv = self._dots(candidates, img)
+        n_u, r_max = len(ref_count), int(ref_count.max())
+        j_u = np.repeat(np.arange(n_u, dtype=np.int64), ref_count)
+        j_col = _ragged_arange(np.zeros(n_u, np.int64), ref_count)
+        ref_norm = np.zeros((n_u, r_max, n), np.float64)
+        ref_norm[j_u, j_col] = ref_norm_g
+        ref_len = np.zeros((n_u, r_max), np.float64)
+        ref_len[j_u, j_col] = ref_len_g
         dot = dot.reshape(n_c, n, r_max).transpose(0, 2, 1)  # (candidate, reference, order)
         denom = norm_h[:, None, :] * ref_norm[u_inv]
         val = np.divide(dot, denom, out=np.zeros_like(dot), where=denom != 0)

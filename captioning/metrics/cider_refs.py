@@ -56,8 +56,9 @@ class _NgramIndex:
     """The n-gram table: word ids from a dict, k-gram ids (k >= 2) from sorted key arrays.
 
     ``keys[k]`` (k = 2..n; ``keys[0]`` and ``keys[1]`` unused) is sorted; ``ids[k][i]`` is the id of the k-gram
-    with key ``keys[k][i]``. Word (1-gram) ids are the dict's values, 0..len(vocab)-1. Ids of each order are
-    dense, 0..sizes[k]-1, and stable: adding n-grams appends ids.
+    with key ``keys[k][i]`` (``ids[k]`` None: the id is the position ``i``, in a finished table that is never added
+    to). Word (1-gram) ids are the dict's values, 0..len(vocab)-1. Ids of each order are dense, 0..sizes[k]-1, and
+    stable: adding n-grams appends ids.
     """
 
     def __init__(self, n: int):
@@ -91,7 +92,8 @@ class _NgramIndex:
         pos = np.searchsorted(keys, qs)
         np.minimum(pos, len(keys) - 1, out=pos)
         out = np.empty(len(q), np.int64)
-        out[srt] = np.where(keys[pos] == qs, self.ids[k][pos], -1)
+        ids = self.ids[k]  # None: a table whose ids are the positions in the sorted keys (never added to)
+        out[srt] = np.where(keys[pos] == qs, pos if ids is None else ids[pos], -1)
         return out
 
     def _add(self, k: int, q: np.ndarray) -> np.ndarray:
@@ -216,22 +218,6 @@ class _NgramIndex:
             return _EMPTY, np.zeros(0, np.int8), _EMPTY, _EMPTY, lengths
         return (np.concatenate(out_cap), np.concatenate(out_order), np.concatenate(out_gid),
                 np.concatenate(out_tf).astype(np.int64), lengths)
-
-    def add_documents(self, w: np.ndarray, lengths: np.ndarray, doc: np.ndarray, counts: list[np.ndarray]) -> None:
-        """Add the n-grams of the captions (flat word ids ``w``, ``lengths``; caption i belongs to document
-        ``doc[i]``) to the table - the same ids as ``encode(..., add=True)`` gives - and count, per order, the
-        documents having each n-gram into ``counts[k]`` (grown to the order's size). Only block-sized
-        temporaries: no per-(caption, n-gram) entries."""
-        doc_pos = np.repeat(np.asarray(doc, np.int64), lengths)
-        for k, starts, inv, gid_k in self._orders(w, lengths, True, self.n):
-            n_u = len(gid_k)
-            pair = np.unique(doc_pos[starts] * n_u + inv)
-            gids = gid_k[pair % n_u]
-            del pair
-            size = len(self.vocab) if k == 1 else self.sizes[k]
-            got = np.bincount(gids, minlength=size)
-            old = counts[k]
-            counts[k] = got + np.concatenate([old, np.zeros(size - len(old), old.dtype)]).astype(np.int64)
 
     def lookup(self, ngram: Sequence) -> tuple[int, int]:
         """(order - 1, id) of one n-gram, id -1 when absent. Never adds."""
