@@ -45,7 +45,7 @@ from itertools import chain, pairwise
 import numpy as np
 
 from captioning.metrics.cider_pruned import PrunedTable
-from captioning.metrics.cider_refs import CountIdf, CsrReferences, _NgramIndex
+from captioning.metrics.cider_refs import CountIdf, CsrReferences, _NgramIndex, sorted_join
 from captioning.metrics.cider_refs import ragged_arange as _ragged_arange
 
 __all__ = ["CiderD", "DocumentFrequency"]
@@ -397,9 +397,7 @@ class CiderD:
         qs = q[srt]
         dot = np.zeros(n_c * n * r_max, np.float64)
         if len(row_keys) and len(qs):
-            pos = np.searchsorted(row_keys, qs)
-            np.minimum(pos, len(row_keys) - 1, out=pos)
-            hit = row_keys[pos] == qs
+            pos, hit = sorted_join(row_keys, qs)
             e = se[srt[hit]]
             vr = weights[pos[hit]]  # (hits, r_max); 0 where that reference lacks the n-gram
             contrib = np.minimum(vh[e, None], vr) * vr

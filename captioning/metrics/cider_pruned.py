@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from captioning.metrics.cider_refs import _SHIFT, CountIdf, CsrReferences, _NgramIndex
+from captioning.metrics.cider_refs import _SHIFT, CountIdf, CsrReferences, _NgramIndex, sorted_join
 
 __all__ = ["PrunedTable"]
 
@@ -269,9 +269,7 @@ class PrunedTable:
         qs = q[srt]
         dot = np.zeros(n_c * n * r_max, np.float64)
         if len(row_keys) and len(qs):
-            pos = np.searchsorted(row_keys, qs)
-            np.minimum(pos, len(row_keys) - 1, out=pos)
-            hit = row_keys[pos] == qs
+            pos, hit = sorted_join(row_keys, qs)
             e, pos = srt[hit], pos[hit]
             fb = fb_local[c_lid[e]]
             alone = fb < 0

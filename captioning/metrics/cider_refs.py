@@ -317,3 +317,10 @@ class CountIdf:
 
     def __len__(self) -> int:
         return len(self.counts)
+
+
+def sorted_join(keys: np.ndarray, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``queries``, its position in the sorted ``keys`` (clipped to the last) and whether it is there."""
+    pos = np.searchsorted(keys, queries)
+    np.minimum(pos, len(keys) - 1, out=pos)
+    return pos, keys[pos] == queries
