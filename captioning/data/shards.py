@@ -23,8 +23,8 @@ or several, an empty/unreadable/truncated image (:func:`check_image_bytes`, ``da
 caption, a failed img2dataset status; empty captions are dropped with a reason. More than
 ``max_reject_fraction`` of the entries bad fails the ingest and lists them. Shards are read one at a time per
 thread (``hash_workers``), their images one at a time (member hashes cached by the shard's size and mtime);
-what is held per sample is its image id (a dict, for repeated keys: ~100 bytes a sample) and, until written into
-a sorted run, its entry.
+what is held per sample is its image id (:class:`captioning.data.columnar.FirstSeen`, for repeated keys: 16 bytes
+a sample) and, until written into a sorted run, its entry.
 """
 
 from __future__ import annotations
