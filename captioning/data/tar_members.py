@@ -21,11 +21,13 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from captioning.errors import InputError
+
 BLOCK = tarfile.BLOCKSIZE  # 512
 _REF = re.compile(r"(?P<shard>.+\.tar)#(?P<offset>[0-9]{1,15}):(?P<size>[0-9]{1,15})", re.DOTALL)
 
 
-class MemberError(ValueError):
+class MemberError(InputError, ValueError):
     """A member reference that cannot be read; the message says why (an image's reject reason)."""
 
 
