@@ -191,6 +191,7 @@ class RunWriter:
         self.folder, self.run_rows = folder, run_rows
         self.pending: list[tuple[int, ImageEntry]] = []  # (entry index, entry)
         self.paths: list[Path] = []
+        self.bounds: list[tuple[tuple[int, int], tuple[int, int]]] = []  # each run's first and last (id, entry)
 
     @property
     def full(self) -> bool:
@@ -210,6 +211,11 @@ class RunWriter:
             atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd", row_group_size=MERGE_BATCH),
                          "ingest run")
             self.paths.append(path)
+            self.bounds.append(((rows[0][1].image_id, rows[0][0]), (rows[-1][1].image_id, rows[-1][0])))
+
+    def merged(self) -> Iterator[ImageEntry]:
+        """Every run's entries in (image id, entry) order: :func:`merge_runs` with the runs' bounds."""
+        return merge_runs(self.paths, self.bounds)
 
 
 class FirstSeen:
@@ -237,11 +243,15 @@ class FirstSeen:
         return idx
 
     def _fold(self) -> None:
+        """The recent ids into the sorted arrays: only they are sorted; the arrays take them by one merge (a
+        copy of what is held, not a sort of it)."""
         n = len(self._recent)
-        ids = np.concatenate([self._ids, np.fromiter(self._recent.keys(), np.int64, n)])
-        idx = np.concatenate([self._idx, np.fromiter(self._recent.values(), np.int64, n)])
-        order = np.argsort(ids, kind="stable")
-        self._ids, self._idx = ids[order], idx[order]
+        new = np.fromiter(self._recent.keys(), np.int64, n)
+        new_idx = np.fromiter(self._recent.values(), np.int64, n)
+        order = np.argsort(new, kind="stable")
+        new, new_idx = new[order], new_idx[order]
+        at = np.searchsorted(self._ids, new)  # an id is new here: never equal to one already held
+        self._ids, self._idx = np.insert(self._ids, at, new), np.insert(self._idx, at, new_idx)
         self._recent.clear()
 
 
@@ -253,7 +263,31 @@ def _run_rows(path: Path) -> Iterator[tuple[int, int, ImageEntry]]:
             yield row[0], row[-1], ImageEntry(*row[:-1])
 
 
-def merge_runs(paths: Sequence[Path]) -> Iterator[ImageEntry]:
-    """The runs' entries in (image id, entry) order."""
-    for _, _, e in heapq.merge(*(_run_rows(p) for p in paths), key=lambda r: (r[0], r[1])):
-        yield e
+def _overlapping(bounds: Sequence[tuple[tuple[int, int], tuple[int, int]]]) -> list[list[int]]:
+    """The runs in groups whose key ranges overlap, the groups in key order: runs of input already in id order
+    (img2dataset's shards, keys increasing) are each their own group and are read one after another, no heap."""
+    groups: list[list[int]] = []
+    last: tuple[int, int] | None = None
+    for k in sorted(range(len(bounds)), key=lambda k: bounds[k][0]):
+        lo, hi = bounds[k]
+        if groups and last is not None and lo <= last:
+            groups[-1].append(k)
+            last = max(last, hi)
+        else:
+            groups.append([k])
+            last = hi
+    return groups
+
+
+def merge_runs(paths: Sequence[Path], bounds: Sequence[tuple[tuple[int, int], tuple[int, int]]] | None = None
+               ) -> Iterator[ImageEntry]:
+    """The runs' entries in (image id, entry) order. With each run's first and last key (``bounds``), runs whose
+    ranges overlap no other are streamed as they are, the others merged group by group."""
+    groups = [list(range(len(paths)))] if bounds is None else _overlapping(bounds)
+    for g in groups:
+        if len(g) == 1:
+            rows: Iterator[tuple[int, int, ImageEntry]] = _run_rows(paths[g[0]])
+        else:
+            rows = heapq.merge(*(_run_rows(paths[k]) for k in g), key=lambda r: (r[0], r[1]))
+        for _, _, e in rows:
+            yield e

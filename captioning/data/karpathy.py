@@ -24,7 +24,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from captioning.data.columnar import DatasetFile, DatasetWriter, FirstSeen, RunWriter, is_columnar, merge_runs
+from captioning.data.columnar import DatasetFile, DatasetWriter, FirstSeen, RunWriter, is_columnar
 from captioning.data.entries import (
     DIGEST_FORMAT,
     SPLIT_CODES,
@@ -420,7 +420,7 @@ def ingest_karpathy(
         writer = DatasetWriter(out, source=str(path), files_checked=checks is not None,
                                images_root=os.path.abspath(images_root) if images_root is not None else None)
         try:
-            for e in merge_runs(runs.paths):
+            for e in runs.merged():
                 writer.add(e)
         except BaseException:
             writer.abort()

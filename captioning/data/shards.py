@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from captioning.data.columnar import DatasetFile, DatasetWriter, FirstSeen, RunWriter, merge_runs
+from captioning.data.columnar import DatasetFile, DatasetWriter, FirstSeen, RunWriter
 from captioning.data.entries import DatasetError, ImageEntry, Rejection
 from captioning.data.karpathy import FileHashCache, check_image_bytes
 from captioning.data.tar_members import MemberRef
@@ -468,7 +468,7 @@ def ingest_webdataset(
         val, test = assign_splits(all_ids, val_images, test_images, max_split_fraction)
         writer = DatasetWriter(out, source=source, images_root=os.path.abspath(root), files_checked=True)
         try:
-            for e in merge_runs(runs.paths):
+            for e in runs.merged():
                 e.split = "val" if e.image_id in val else "test" if e.image_id in test else "train"
                 writer.add(e)
         except BaseException:

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from captioning.data.karpathy import (
@@ -767,3 +768,39 @@ def test_first_seen_finds_repeats_across_folds() -> None:
     ids = [50, 10, 40, 30, 20, 60, 10, 70, 60, 50, 80, 90, 100, 5, 70]
     got = [seen.first(i, k) for k, i in enumerate(ids)]
     assert got == [0, 1, 2, 3, 4, 5, 1, 7, 5, 0, 10, 11, 12, 13, 7]
+
+
+def test_first_seen_agrees_with_a_dict_over_many_folds() -> None:
+    """The folded arrays (the recent ids merged into them, not re-sorted) answer as a dict would: random ids with
+    repeats, folded every 7 ids, a few hundred folds."""
+    from captioning.data.columnar import FirstSeen
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 1500, 3000).tolist()
+    seen, want = FirstSeen(fold_every=7), {}
+    got = [seen.first(i, k) for k, i in enumerate(ids)]
+    assert got == [want.setdefault(i, k) for k, i in enumerate(ids)]
+    assert np.all(np.diff(seen._ids) > 0)
+
+
+def test_run_merge_streams_ordered_runs_and_merges_overlapping_ones(tmp_path: Path) -> None:
+    """Ingest's sorted runs come back in (image id, entry) order whether their id ranges overlap (merged) or not
+    (read one after another): the same entries as one sort of all of them, the groups as expected."""
+    from captioning.data.columnar import RunWriter, _overlapping
+    from captioning.data.entries import ImageEntry
+
+    def entry(i: int) -> ImageEntry:
+        return ImageEntry(i, f"{i}.jpg", "train", [f"a caption {i}"], [i])
+
+    batches = [[30, 31, 35], [1, 5, 9], [10, 12, 40], [50, 51], [41, 44], [60, 61, 62]]  # in input order
+    runs = RunWriter(tmp_path, 3)
+    idx = 0
+    for b in batches:
+        for i in b:
+            runs.add(idx, entry(i))
+            idx += 1
+        runs.write()
+    got = [e.image_id for e in runs.merged()]
+    assert got == sorted(i for b in batches for i in b)
+    # [1..9] alone; [10..40] overlaps [30..35]; [41..44], [50..51], [60..62] alone
+    assert [[runs.bounds[k][0][0] for k in g] for g in _overlapping(runs.bounds)] == [[1], [10, 30], [41], [50], [60]]
