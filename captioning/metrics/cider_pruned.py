@@ -183,6 +183,36 @@ class PrunedTable:
         srt = np.argsort(keys)
         return keys[srt], got[present][srt], alone
 
+    def document_counts(self, grams: np.ndarray) -> np.ndarray:
+        """Document counts of k-grams given as rows of tokens (shape (m, k); a token < 0 is a word no reference
+        has): the count for an n-gram of the table, 0 for any other (in one image at most: the same idf)."""
+        grams = np.asarray(grams, np.int64)
+        m, k = grams.shape
+        out = np.zeros(m, np.int64)
+        if m == 0 or not 1 <= k <= self.n:
+            return out
+
+        def words(tokens: np.ndarray) -> np.ndarray:
+            w = np.full(len(tokens), -1, np.int64)
+            known = tokens >= 0
+            if self._lut is not None:
+                known &= tokens < len(self._lut)
+                w[known] = self._lut[tokens[known]]
+            else:
+                w[known] = np.fromiter((self.index.vocab.get(t, -1) for t in tokens[known].tolist()), np.int64)
+            return w
+
+        gid = words(grams[:, 0])
+        for j in range(2, k + 1):
+            word = words(grams[:, j - 1])
+            ok = (gid >= 0) & (word >= 0)
+            nxt = np.full(m, -1, np.int64)
+            nxt[ok] = self.index._find(j, (gid[ok] << _SHIFT) | word[ok])
+            gid = nxt
+        found = gid >= 0
+        out[found] = self.counts[self.offsets[k - 1] + gid[found]]
+        return out
+
     def count_images(self, ngram: tuple) -> int:
         """Images whose references contain ``ngram`` (tokens), by a scan of the references: the document count of an
         n-gram the table leaves out (1 when some image has it)."""

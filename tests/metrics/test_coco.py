@@ -395,3 +395,41 @@ def test_one_meteor_jvm_serves_every_score_of_a_process_and_a_dead_one_is_replac
     assert 0 < first < 1
     coco.close_meteor()
     assert coco_meteor._METEOR["scorer"] is None
+
+
+# ------------------------------------------------------------------------------------------ bounded memory
+
+
+@pytest.mark.slow
+def test_bleu_and_cider_in_chunks_are_pycocoevalcaps_bit_for_bit(external, karpathy_refs_path):
+    """BLEU and CIDEr cooked a chunk of images at a time (bounded memory) give pycocoevalcap's own corpus and
+    per-image scores exactly (==), on the real Karpathy test references and ACORT's published outputs, with
+    chunks that do not divide the 5,000 images; an image's CIDEr needs the document counts of every chunk."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+
+    from captioning.metrics.coco.chunked import bleu_in_chunks, cider_in_chunks
+
+    refs = load_references(karpathy_refs_path)
+    results = load_results(external / "model_outputs" / "acort_karpathy_test.json", refs)
+    ids = list(results)
+    flat = ptb_tokenize([r for i in ids for r in refs[i]])
+    cand = ptb_tokenize([results[i] for i in ids])
+    gts, pos = {}, 0
+    for i in ids:
+        gts[i] = flat[pos: pos + len(refs[i])]
+        pos += len(refs[i])
+    res = {i: [c] for i, c in zip(ids, cand, strict=True)}
+
+    want, want_per = Cider().compute_score(gts, res)
+    got, got_per = cider_in_chunks(gts, res, chunk_images=777)
+    assert got == want and got_per.tolist() == want_per.tolist()
+    assert round(got, 3) == 1.311  # ACORT's published CIDEr
+    # an image scored with only its own chunk's document counts differs: the counts are the corpus's
+    alone, alone_per = Cider().compute_score({i: gts[i] for i in ids[:777]}, {i: res[i] for i in ids[:777]})
+    assert alone_per.tolist() != got_per[:777].tolist()
+
+    want_b, want_b_per = Bleu(4).compute_score(gts, res, verbose=0)
+    got_b, got_b_per, scorer = bleu_in_chunks(gts, res, chunk_images=777)
+    assert got_b == want_b and got_b_per == want_b_per
+    assert len(scorer.ctest) == 5000 and scorer.crefs == []  # only the per-image statistics were kept

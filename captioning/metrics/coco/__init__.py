@@ -13,6 +13,9 @@ What differs from calling ``COCOEvalCap`` directly:
   the Java tokenizer would otherwise split that caption over two lines and silently misalign every caption that
   follows. The tokenizer's output line count is checked too.
 * BLEU's internal counts (``testlen``, ``reflen``, ``guess``, ``correct``, ``ratio``) are returned, not printed.
+* BLEU and CIDEr are cooked a chunk of 2,000 images at a time (:mod:`.chunked`), with pycocoevalcap's own
+  arithmetic and the same numbers bit for bit: memory grows with the chunk, not with the images scored (40,000
+  images: 1.5 GiB before, 0.29 GiB now).
 * METEOR's Java process is started before tokenisation and scores in a thread while BLEU, ROUGE-L and CIDEr run,
   and is always shut down afterwards.
 * SPICE never downloads anything. It runs only when a directory holding the Stanford CoreNLP 3.6.0 jars
@@ -27,8 +30,8 @@ Duplicate ``image_id`` in a results file is an error naming the ids (``load_resu
 keeps the first caption of each image instead and warns). Result ids that have no references are an error.
 
 The package: :mod:`.inputs` (the files and their checks), :mod:`.java` (the toolkit's folders, the Java probes,
-the PTB tokenizer), :mod:`.meteor` (the process's METEOR JVM), :mod:`.spice` and :mod:`.scoring` (:func:`score`,
-:func:`evaluate_files`).
+the PTB tokenizer), :mod:`.meteor` (the process's METEOR JVM), :mod:`.spice`, :mod:`.chunked` (BLEU and CIDEr in
+bounded memory) and :mod:`.scoring` (:func:`score`, :func:`evaluate_files`).
 """
 
 from __future__ import annotations

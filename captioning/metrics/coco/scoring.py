@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from captioning.metrics.coco.chunked import bleu_in_chunks, cider_in_chunks
 from captioning.metrics.coco.inputs import EvaluationInputError, check_ids, load_references, load_results
 from captioning.metrics.coco.java import ptb_tokenize_counted
 from captioning.metrics.coco.meteor import compute_meteor, meteor_scorer
@@ -94,12 +95,7 @@ def _tokenise(results: Mapping[int, str], references: Mapping[int, Sequence[str]
 
 
 def _bleu(gts: dict[int, list[str]], res: dict[int, list[str]]):
-    from pycocoevalcap.bleu.bleu_scorer import BleuScorer
-
-    scorer = BleuScorer(n=4)
-    for i in gts:
-        scorer += (res[i][0], gts[i])
-    score, per_image = scorer.compute_score(option="closest", verbose=0)
+    score, per_image, scorer = bleu_in_chunks(gts, res)
     # the corpus totals BleuScorer prints with verbose=1, recomputed from its cooked statistics
     testlen = reflen = 0
     guess, correct = [0] * 4, [0] * 4
@@ -125,20 +121,15 @@ def _score_bleu(tok: _Tokenised, want: set[str], sheet: _Sheet) -> dict[str, Any
     return counts
 
 
-def _rouge():
+def _rouge(gts: dict[int, list[str]], res: dict[int, list[str]]):
     from pycocoevalcap.rouge.rouge import Rouge
 
-    return Rouge()
+    return Rouge().compute_score(gts, res)
 
 
-def _cider():
-    from pycocoevalcap.cider.cider import Cider
-
-    return Cider()
-
-
-#: the metrics one pycocoevalcap scorer computes from the tokenised captions alone: name -> a new scorer
-_SCORERS: dict[str, Callable[[], Any]] = {"ROUGE_L": _rouge, "CIDEr": _cider}
+#: the metrics computed from the tokenised captions alone: name -> (gts, res) -> (corpus, per image); CIDEr a
+#: chunk of images at a time (:mod:`.chunked`: pycocoevalcap's arithmetic in bounded memory)
+_SCORERS: dict[str, Callable[[dict, dict], tuple[float, Any]]] = {"ROUGE_L": _rouge, "CIDEr": cider_in_chunks}
 
 
 def _score_spice(tok: _Tokenised, jar_dir: Path | None, state: str, sheet: _Sheet) -> str:
@@ -204,10 +195,10 @@ def score(results: Mapping[int, str], references: Mapping[int, Sequence[str]], *
         fut = pool.submit(_timed_meteor, meteor, tok, sheet.timings) if meteor is not None else None
         if want & set(BLEU_METRICS):
             bleu_counts = _score_bleu(tok, want, sheet)
-        for name, make in _SCORERS.items():
+        for name, scorer in _SCORERS.items():
             if name in want:
                 t0 = time.perf_counter()
-                sheet.record(name, *make().compute_score(tok.gts, tok.res))
+                sheet.record(name, *scorer(tok.gts, tok.res))
                 sheet.timings[name] = time.perf_counter() - t0
         if "SPICE" in want:
             spice_state = _score_spice(tok, spice_jar_dir, spice_state, sheet)
