@@ -295,3 +295,35 @@ def test_row_index_maps_ids_to_rows_like_a_dict(tmp_path):
     assert idx[99] == 2 and idx.get(6) is None and 6 not in idx and 5 in idx
     with pytest.raises(KeyError):
         idx[100]
+
+
+def test_reads_through_zarr_go_a_block_of_chunks_at_a_time_and_chunk_states_are_per_chunk(tmp_path, monkeypatch):
+    """Zarr reads of a row range are split into blocks of chunks (zarr holds its per-chunk bookkeeping for every
+    chunk of one read): the same values whatever the block, strings included; pending, finished and unverified
+    chunks are found per chunk, a partly written chunk pending, and ``verify`` counts the pending ones."""
+    from captioning.data.stores import chunked
+
+    s = _store(tmp_path, n=23, chunk=2)  # 12 chunks, the last one of one row
+    f, bx, nb = _rows(23)
+    st = np.full(23, OK, np.int8)
+    st[5] = REJECTED
+    reasons = [f"reason {i}" if i == 5 else "" for i in range(23)]
+    for c in (0, 1, 2, 4, 7, 11):
+        a, b = s.chunk_range(c)
+        s.write_rows(a, features=f[a:b], boxes=bx[a:b], num_boxes=nb[a:b], image_size=np.full((b - a, 2), 7),
+                     status=st[a:b], reject_reason=reasons[a:b])
+    s._a["status"][12] = OK  # chunk 6 half written: still pending
+    want = s._zarr_rows(s._a["reject_reason"], None, None, None).tolist()
+    assert want[5] == "reason 5" and want.count("") == 22
+    for block in (1, 3, 5, 100):
+        monkeypatch.setattr(chunked, "_ZARR_BLOCK_CHUNKS", block)
+        assert s._zarr_rows(s._a["reject_reason"], 3, 21, None).tolist() == want[3:21]
+        assert s._zarr_rows(s._a["status"], None, None, None).tolist() == s.status().tolist()
+        assert np.array_equal(s._zarr_rows(s._a["features"], 1, 22, 3), s._a["features"][1:22, :3])
+    assert s.pending_chunks() == [3, 5, 6, 8, 9, 10]
+    assert s.finished_chunks() == [0, 1, 2, 4, 7, 11]
+    rep = s.verify()
+    assert (rep.checked, rep.pending, rep.faults) == (6, 6, [])
+    assert s.manifest()["unverified_chunks"] == 0
+    s.group["checksum"][4] = 0  # forget one chunk's checksum
+    assert FeatureStore.open(str(tmp_path / "f.zarr")).manifest()["unverified_chunks"] == 1

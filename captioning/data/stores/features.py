@@ -266,10 +266,15 @@ class FeatureStore(ChunkedStore):
         """image id -> row (numpy-backed: a dict of millions of ids would be the largest object of its stage)."""
         return RowIndex(self.image_ids())
 
+    def _pending_mask(self, status: np.ndarray) -> np.ndarray:
+        """Per chunk: has it a row not yet written? (one pass over the status, not a slice per chunk)"""
+        mask = np.zeros(self.num_chunks, bool)
+        mask[np.flatnonzero(status == PENDING) // self.chunk_rows] = True
+        return mask
+
     def pending_chunks(self) -> list[int]:
         """Chunks with at least one row not yet written (resume starts here)."""
-        st = self.status()
-        return [c for c in range(self.num_chunks) if np.any(st[slice(*self.chunk_range(c))] == PENDING)]
+        return np.flatnonzero(self._pending_mask(self.status())).tolist()
 
     def append_images(self, image_ids: Sequence[int]) -> range:
         """Grow every array by new rows (status pending). Existing rows are untouched. Not for concurrent use."""
@@ -441,7 +446,7 @@ class FeatureStore(ChunkedStore):
         if sums is not None:
             h.update(CHECKSUM_ALGORITHM.encode())
             h.update(sums.tobytes())
-            unverified = sum(1 for k in finished if not sums[k].any())
+            unverified = int((~sums[finished].reshape(len(finished), -1).any(axis=1)).sum())
         else:
             unverified = len(finished)
         return {
@@ -461,7 +466,7 @@ class FeatureStore(ChunkedStore):
     def finished_chunks(self, status: np.ndarray | None = None) -> list[int]:
         """Chunks whose every row is written (ok or rejected)."""
         st = self.status() if status is None else status
-        return [c for c in range(self.num_chunks) if not np.any(st[slice(*self.chunk_range(c))] == PENDING)]
+        return np.flatnonzero(~self._pending_mask(st)).tolist()
 
     def verify(self, chunks: Iterable[int] | None = None, *, repair: bool = False, record: bool | None = None,
                threads: int | None = None) -> VerifyReport:
@@ -476,7 +481,7 @@ class FeatureStore(ChunkedStore):
         report = VerifyReport(self.uri, "features", self.num_chunks, 0)
         st = self._a["status"]
         try:
-            status = st[:]
+            status = self.status()  # a local store's files read directly (zarr: ~0.2 ms and ~3 KB a chunk)
         except Exception:  # chunk by chunk: a damaged status file fails only its chunk
             status = np.full(self.num_rows, PENDING, np.int8)
             for k in range(self.num_chunks):
@@ -494,7 +499,8 @@ class FeatureStore(ChunkedStore):
         finished = [k for k in self.finished_chunks(status) if k not in bad_status and k not in bad_sums]
         wanted = set(range(self.num_chunks)) if chunks is None else set(chunks)
         todo = [k for k in finished if k in wanted]
-        report.pending = sum(1 for k in wanted if k not in finished and k not in bad_status and k not in bad_sums)
+        done = set(finished)  # membership per chunk: a list here made the count quadratic in the chunks
+        report.pending = sum(1 for k in wanted if k not in done and k not in bad_status and k not in bad_sums)
         fresh = self._verify_chunks(todo, report, sums, threads) if todo else {}
         report.faults.sort(key=lambda f: f.chunk)
         if repair:
