@@ -20,6 +20,7 @@ frequencies). Here pycocoevalcap's own code still does the arithmetic:
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from itertools import chain, repeat
@@ -32,7 +33,8 @@ from captioning.metrics.cider_refs import CsrReferences
 __all__ = ["CHUNK_IMAGES", "bleu_in_chunks", "cider_in_chunks"]
 
 #: images cooked at once (pycocoevalcap's dicts: ~20-35 KB an image with 5 references)
-CHUNK_IMAGES = 2_000
+CHUNK_IMAGES = 1_000
+_TABLE_CHUNK_REFS = 16_384  # references per chunk of the document-count table's build (~100 bytes a token)
 
 
 def _chunks(ids: Sequence[int], size: int) -> Iterator[Sequence[int]]:
@@ -63,15 +65,14 @@ class _Words:
 
     def __init__(self, gts: dict[int, list[str]], ids: Sequence[int]):
         self.ids: dict[str, int] = {}
-        tokens: list[int] = []
-        tok_off, cap_off = [0], [0]
+        tokens, tok_off, cap_off = array("q"), array("q", [0]), array("q", [0])  # 8 bytes a value, no int objects
         for i in ids:
             for ref in gts[i]:
                 tokens.extend(self.ids.setdefault(w, len(self.ids)) for w in ref.split())
                 tok_off.append(len(tokens))
             cap_off.append(len(tok_off) - 1)
-        self.refs = CsrReferences(np.asarray(tokens, np.int64), np.asarray(tok_off, np.int64),
-                                  np.asarray(cap_off, np.int64), np.arange(len(ids), dtype=np.int64))
+        self.refs = CsrReferences(np.frombuffer(tokens, np.int64), np.frombuffer(tok_off, np.int64),
+                                  np.frombuffer(cap_off, np.int64), np.arange(len(ids), dtype=np.int64))
 
 
 def _document_counts(table: PrunedTable, words: _Words, grams: set[tuple[str, ...]]) -> dict[tuple, float]:
@@ -95,7 +96,7 @@ def cider_in_chunks(gts: dict[int, list[str]], res: dict[int, list[str]], chunk_
 
     ids = list(gts)
     words = _Words(gts, ids)
-    table = PrunedTable(words.refs, 4, [(0, len(ids))])
+    table = PrunedTable(words.refs, 4, [(0, len(ids))], chunk_refs=_TABLE_CHUNK_REFS)
     del words.refs
     scores: list[float] = []
     for part in _chunks(ids, chunk_images):
