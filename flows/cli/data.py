@@ -159,9 +159,12 @@ def _remove_store(uri: str) -> None:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("ingest", help="read and validate the dataset", description=(
-        "Read and validate the Karpathy-format dataset (dataset.annotations + dataset.images, or the synthetic "
-        "dataset when no annotations are set); write the normalised dataset and the reject list to the workdir "
-        "(datasets/dataset-<digest>.parquet, datasets/rejects-<digest>.json)."))
+        "Read and validate the dataset: a Karpathy-format JSON (dataset.format=karpathy, the default: "
+        "dataset.annotations + dataset.images, or the synthetic dataset when no annotations are set) or "
+        "WebDataset tar shards as img2dataset writes them (dataset.format=webdataset: dataset.images = the shards' "
+        "folder, dataset.shards.files = their glob patterns; images stay inside the shards); write the normalised "
+        "dataset and the reject list to the workdir (datasets/dataset-<digest>.parquet, "
+        "datasets/rejects-<digest>.json)."))
     config_args(i)
     tracking_args(i)
     i.add_argument("--json", action="store_true", help="print a JSON summary")
