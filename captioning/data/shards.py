@@ -94,6 +94,7 @@ class _Options:
 
 
 # ---------------------------------------------------------------------- finding the shards
+_COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 def find_shards(root: str | Path, patterns: Sequence[str]) -> list[tuple[Path, str]]:
     """(path, path relative to the root) of every tar file the glob ``patterns`` match below ``root``, in name
     order; a pattern that leaves the root, or a shard that resolves outside it (a link), is an error."""
@@ -106,6 +107,11 @@ def find_shards(root: str | Path, patterns: Sequence[str]) -> list[tuple[Path, s
         if not pat or Path(pat).is_absolute() or ".." in Path(pat).parts:
             raise DatasetError(f"dataset.shards.files pattern {pat!r} must be a glob relative to dataset.images")
         for p in root.glob(pat):
+            if p.name.endswith(_COMPRESSED_TAR) and p.is_file():
+                raise DatasetError(
+                    f"shard {p} is a compressed tar: images are read from the shards in place, by byte offset, "
+                    "which a compressed stream does not allow; decompress the shards (e.g. `gunzip` leaves a .tar) "
+                    "or write them uncompressed (img2dataset's webdataset output is .tar by default)")
             if not p.name.endswith(".tar") or not p.is_file():
                 continue
             if not p.resolve().is_relative_to(real_root):

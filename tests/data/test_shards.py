@@ -241,6 +241,12 @@ def test_webdataset_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="no tar shards match"):
         ingest(ingest_plan(load_config("tiny", overrides=[f"run.workdir={tmp_path}", "dataset.format=webdataset",
                                                           f"dataset.images={tmp_path}"])))
+    # a compressed shard the patterns match is named, with why it cannot be read in place (never skipped)
+    (tmp_path / "00000.tar.gz").write_bytes(b"\x1f\x8b")
+    with pytest.raises(DatasetError, match=r"00000\.tar\.gz is a compressed tar: .* decompress"):
+        ingest(ingest_plan(load_config("tiny", overrides=[f"run.workdir={tmp_path}", "dataset.format=webdataset",
+                                                          f"dataset.images={tmp_path}",
+                                                          'dataset.shards.files=["*.tar", "*.tar.gz"]'])))
 
 
 @pytest.mark.slow
