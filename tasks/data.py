@@ -73,7 +73,7 @@ def extract(rc: RunContext, data: DatasetRef, *, uri: str | None = None, workers
     key, hit = rc.cached("extract", FeaturesRef, dataset=data.digest, store=uri, source=cfg.features.source)
     if reuse and hit is not None and features_intact(uri, hit.digest):  # values checked: a damaged chunk is redone
         return hit
-    ds = Dataset.load(data.path)
+    ds = open_dataset(data.path)  # streamed: extraction looks entries up a chunk at a time
     with rc.tracker.run("extract", rc.parent_run) as run:
         rc.tracker.params(run, {"features": cfg.features.model_dump(mode="json")})
         rc.tracker.dataset(run, "dataset", data.digest, ds.source, "input")
@@ -81,7 +81,8 @@ def extract(rc: RunContext, data: DatasetRef, *, uri: str | None = None, workers
         if cfg.features.source == "synthetic-informative":
             from captioning.data.synthetic_features import informative_store_for
 
-            store = informative_store_for(extract_plan(cfg), ds, uri, progress=rc.progress)
+            whole = ds if isinstance(ds, Dataset) else Dataset.from_file(ds)  # synthetic data: small
+            store = informative_store_for(extract_plan(cfg), whole, uri, progress=rc.progress)
             report: dict[str, Any] = {"extracted": store.num_rows}
         else:
             res = extract_features(extract_plan(cfg), ds, workers=workers, uri=uri, progress=rc.progress)

@@ -126,6 +126,9 @@ class DatasetFile:
             raise DatasetError(f"{self.path}: not a normalised capflow dataset (format "
                                f"{head.get('format') if isinstance(head, dict) else None!r})")
         self.head = head
+        self._ids: np.ndarray | None = None  # entries_of: the id column, row-group ends, the last group read
+        self._group_ends = np.zeros(0, np.int64)
+        self._group: tuple[int, list[ImageEntry]] = (-1, [])
 
     digest = property(lambda self: self.head["digest"])
     source = property(lambda self: self.head["source"])
@@ -152,6 +155,28 @@ class DatasetFile:
         if self.images_root is None:
             raise DatasetError("this dataset has no images root (annotations only)")
         return Path(self.images_root) / entry.file
+
+    def entries_of(self, image_ids: Sequence[int] | np.ndarray) -> list[ImageEntry]:
+        """The entries of ``image_ids`` (KeyError naming an id the dataset does not have), found by binary search
+        in the id column and read a row group at a time (the last one kept: ids asked for in order, as a feature
+        store's chunks ask, read each row group once). Memory: the id column (8 bytes an image) and one group."""
+        if self._ids is None:
+            self._ids = self.column("image_id")
+            self._group_ends = np.cumsum([self._pf.metadata.row_group(g).num_rows
+                                          for g in range(self._pf.num_row_groups)])
+        q = np.asarray(image_ids, np.int64)
+        pos = np.minimum(np.searchsorted(self._ids, q), max(len(self._ids) - 1, 0))
+        found = self._ids[pos] == q if len(self._ids) else np.zeros(len(q), bool)
+        if not found.all():
+            raise KeyError(int(q[np.flatnonzero(~found)[0]]))
+        out = []
+        for p, g in zip(pos.tolist(), np.searchsorted(self._group_ends, pos, side="right").tolist(), strict=True):
+            if self._group[0] != g:
+                b = self._pf.read_row_group(g)
+                self._group = (g, [ImageEntry(*row) for row in zip(*(b.column(n).to_pylist() for n in SCHEMA.names),
+                                                                    strict=True)])
+            out.append(self._group[1][p - (int(self._group_ends[g - 1]) if g else 0)])
+        return out
 
     def iter_entries(self, split: str | None = None) -> Iterator[ImageEntry]:
         for b in self.batches():

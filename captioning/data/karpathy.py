@@ -16,12 +16,13 @@ import os
 import tempfile
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from captioning.data.columnar import DatasetFile, DatasetWriter, FirstSeen, RunWriter, is_columnar
@@ -65,6 +66,7 @@ class Dataset:
     files_checked: bool = False
     entries: int = 0
     digest: str = ""
+    _by_id: dict[int, ImageEntry] | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ views (those of DatasetFile too)
     num_images = property(lambda self: len(self.images))
@@ -91,6 +93,12 @@ class Dataset:
         if self.images_root is None:
             raise DatasetError("this dataset has no images root (annotations only)")
         return Path(self.images_root) / entry.file
+
+    def entries_of(self, image_ids: Sequence[int] | np.ndarray) -> list[ImageEntry]:
+        """The entries of ``image_ids`` (KeyError naming an id the dataset does not have)."""
+        if self._by_id is None or len(self._by_id) != len(self.images):
+            self._by_id = {e.image_id: e for e in self.images}
+        return [self._by_id[int(i)] for i in image_ids]
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
@@ -133,6 +141,13 @@ def open_dataset(path: str | Path) -> Dataset | DatasetFile:
     except FileNotFoundError:
         raise DatasetError(f"normalised dataset {path} not found") from None
     return DatasetFile(path) if columnar else _load_json(path)
+
+
+def image_ids_of(ds: Dataset | DatasetFile) -> np.ndarray:
+    """Every image id of a dataset, in its order, as int64 (a column: 8 bytes an image)."""
+    if isinstance(ds, DatasetFile):
+        return ds.column("image_id")
+    return np.fromiter((e.image_id for e in ds.images), np.int64, len(ds.images))
 
 
 def _load_json(path: str | Path) -> Dataset:

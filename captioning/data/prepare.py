@@ -20,7 +20,7 @@ from PIL import Image
 
 from captioning.config import SyntheticConfig
 from captioning.data.columnar import DatasetFile
-from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, ImageEntry, ingest_karpathy
+from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, ImageEntry, image_ids_of, ingest_karpathy
 from captioning.data.plans import IngestPlan, VocabPlan
 from captioning.data.stores import FeatureStore, LabelStore
 from captioning.data.text import Vocabulary, build_vocabulary
@@ -110,12 +110,6 @@ class LabelResult:
     captions: int
 
 
-def _image_ids(ds: Dataset | DatasetFile) -> np.ndarray:
-    if isinstance(ds, DatasetFile):
-        return ds.column("image_id")
-    return np.fromiter((e.image_id for e in ds.images), np.int64, len(ds.images))
-
-
 def build_labels(
     ds: Dataset | DatasetFile, vocab: Vocabulary, uri: str, max_words: int, image_rows: dict[int, int] | None = None,
     overwrite: bool = True, chunk: int = 65536,
@@ -124,7 +118,7 @@ def build_labels(
     dataset's own order, which is the order a feature store built from it uses). The dataset is read entry by entry
     and the store written a chunk of rows at a time: memory holds a block of captions, not the label arrays."""
     if image_rows is not None:
-        missing = [int(i) for i in _image_ids(ds) if int(i) not in image_rows]
+        missing = [int(i) for i in image_ids_of(ds) if int(i) not in image_rows]
         if missing:
             raise DatasetError(f"{len(missing)} images have no feature-store row, e.g. {sorted(missing)[:5]}")
     store = LabelStore.allocate(uri, ds.num_captions, max_words, overwrite=overwrite, chunk=chunk,

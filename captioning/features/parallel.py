@@ -19,16 +19,18 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from captioning.config import ExtractorConfig, FeaturesConfig
-from captioning.data.karpathy import Dataset
+from captioning.data.columnar import DatasetFile
+from captioning.data.karpathy import Dataset, image_ids_of
 from captioning.data.plans import ExtractPlan
 from captioning.data.stores import EXTRAS, OK, PENDING, REJECTED, FeatureStore, StoreError
 from captioning.features.bottom_up_layout import default_layout, recognise_layout
@@ -278,11 +280,10 @@ def prepare_store(plan: ExtractPlan, ds: Dataset, uri: str | None = None, descri
     """
     uri = uri or store_uri(plan, settings)
     f = plan.features
-    ids = [e.image_id for e in ds.images]
+    ids = image_ids_of(ds)
     if FeatureStore.exists(uri):
         store = FeatureStore.open(uri, mode="r+")
-        have = set(store.image_ids().tolist())
-        new = [i for i in ids if i not in have]
+        new = ids[~np.isin(ids, store.image_ids())].tolist()
         if new:
             store.append_images(new)
             store.group.attrs["dataset_digest"] = ds.digest
@@ -313,19 +314,33 @@ def prepare_store(plan: ExtractPlan, ds: Dataset, uri: str | None = None, descri
     return store, len(ids)
 
 
-def plan_chunks(store: FeatureStore, ds: Dataset) -> list[tuple[int, list[tuple[int, str]]]]:
-    """(chunk, [(image_id, path), ...]) for every chunk with pending rows."""
-    by_id = {e.image_id: str(ds.image_path(e)) for e in ds.images}
+def iter_chunks(store: FeatureStore, ds: Dataset | DatasetFile, chunks: Iterable[int]
+                ) -> Iterator[tuple[int, list[tuple[int, str]]]]:
+    """(chunk, [(image_id, path), ...]) for each of ``chunks``, made as they are asked for: the dataset's entries
+    are looked up a chunk at a time (``entries_of``), so no list of every image's path is ever held."""
     ids = store.image_ids()
-    todo = []
-    for c in store.pending_chunks():
+    for c in chunks:
         s, e = store.chunk_range(c)
-        missing = [int(i) for i in ids[s:e] if int(i) not in by_id]
-        if missing:
+        try:
+            entries = ds.entries_of(ids[s:e])
+        except KeyError:
+            missing = [int(i) for i in ids[s:e] if not _has(ds, int(i))]
             raise StoreError(f"chunk {c} holds images {missing[:5]} that the dataset no longer has; "
-                             "they cannot be extracted (restore them or start a new store)")
-        todo.append((c, [(int(i), by_id[int(i)]) for i in ids[s:e]]))
-    return todo
+                             "they cannot be extracted (restore them or start a new store)") from None
+        yield c, [(en.image_id, str(ds.image_path(en))) for en in entries]
+
+
+def _has(ds: Dataset | DatasetFile, image_id: int) -> bool:
+    try:
+        ds.entries_of([image_id])
+    except KeyError:
+        return False
+    return True
+
+
+def plan_chunks(store: FeatureStore, ds: Dataset | DatasetFile) -> list[tuple[int, list[tuple[int, str]]]]:
+    """(chunk, [(image_id, path), ...]) for every chunk with pending rows (a list: small stores, benches)."""
+    return list(iter_chunks(store, ds, store.pending_chunks()))
 
 
 def _code_version() -> str:
@@ -411,6 +426,9 @@ def _runs_on_gpu(device: str) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
+_AHEAD_PER_WORKER = 8  # extraction tasks submitted per worker ahead of the results
+
+
 def _chunks_per_task(n_chunks: int, workers: int, gpu: bool) -> int:
     """One chunk per task on CPUs (fine-grained balance); on GPUs enough chunks that a task streams many batches
     (decoding, the device and writing overlap within a task), with ~4 tasks per worker left for balance."""
@@ -419,8 +437,11 @@ def _chunks_per_task(n_chunks: int, workers: int, gpu: bool) -> int:
     return max(1, min(64, -(-n_chunks // (4 * max(workers, 1)))))
 
 
-def _groups(todo: list, per: int) -> list[list]:
-    return [todo[i : i + per] for i in range(0, len(todo), per)]
+def _groups(todo: Iterable, per: int) -> Iterator[list]:
+    """``todo`` in lists of ``per``, taken from it as they are asked for."""
+    it = iter(todo)
+    while group := list(islice(it, per)):
+        yield group
 
 
 def _gpu_resources(client) -> bool:
@@ -451,16 +472,18 @@ def extract_features(
     check = store.verify(repair=True)
     for fault in check.faults:
         log.warning("feature store %s: %s: extracting it again", store.uri, fault)
-    todo = plan_chunks(store, ds)
+    pending = store.pending_chunks()
+    # the chunks' (image id, path) lists are made as tasks are submitted (a bounded number ahead), never all at once;
     # every local path a chunk task reads is absolute: a worker of an external cluster has its own working directory
+    todo: Iterable[tuple[int, list[tuple[int, str]]]] = (
+        (c, [(row, _absolute(path)) for row, path in items]) for c, items in iter_chunks(store, ds, pending))
     ex = ex.model_copy(update={"weights": _absolute(ex.weights)}) if ex.weights else ex
     ex_json = ex.model_dump_json()
     n_workers = f.dask_workers if workers is None else workers
     threads = threads_per_worker or f.extractor.torch_threads
     args = (ex_json, f.min_boxes, f.max_boxes, f.feature_dim, threads, _absolute(str(plan.weights_cache)))
-    todo = [(c, [(row, _absolute(path)) for row, path in items]) for c, items in todo]
     image_store = None
-    if plan.run_store and f.dask_address and client is None and todo:
+    if plan.run_store and f.dask_address and client is None and pending:
         # an external cluster under a run store shares no files with this machine: the images go through the store
         from captioning.features.stored_images import publish_images
 
@@ -468,9 +491,10 @@ def extract_features(
         todo = publish_images(image_store, ds, todo)
         args = (*args[:-1], None)  # the workers' own weights cache
     uri = _absolute(store.uri)
-    skipped = store.num_chunks - len(todo)
+    skipped = store.num_chunks - len(pending)
     extracted = 0
-    bar = progress_bar(total=sum(len(items) for _, items in todo), desc="extracting", unit="img", enabled=progress)
+    rows = sum(b - a for a, b in map(store.chunk_range, pending))
+    bar = progress_bar(total=rows, desc="extracting", unit="img", enabled=progress)
 
     def done(r: ChunkResult) -> None:
         nonlocal extracted
@@ -481,12 +505,12 @@ def extract_features(
             on_chunk(r)
 
     try:
-        if todo and n_workers == 0 and client is None:
-            per = _chunks_per_task(len(todo), 1, _runs_on_gpu(f.extractor.device))
+        if pending and n_workers == 0 and client is None:
+            per = _chunks_per_task(len(pending), 1, _runs_on_gpu(f.extractor.device))
             for group in _groups(todo, per):
                 for r in extract_chunks(store.uri, group, *args):
                     done(r)
-        elif todo:
+        elif pending:
             from distributed import Client, as_completed
 
             own_cluster, own_client = None, client is None
@@ -500,13 +524,22 @@ def extract_features(
                 gpu = _gpu_resources(client)
                 resources = {"GPU": 1} if gpu else None
                 n = max(1, len(client.scheduler_info().get("workers", {})))
-                futures = [client.submit(extract_chunks, uri, group, *args, image_store=image_store,
+                groups = _groups(todo, _chunks_per_task(len(pending), n, gpu))
+
+                def submit(group: list):
+                    return client.submit(extract_chunks, uri, group, *args, image_store=image_store,
                                          key=f"extract-{uri}-{group[0][0]}-{group[-1][0]}",
                                          resources=resources, pure=False)
-                           for group in _groups(todo, _chunks_per_task(len(todo), n, gpu))]
-                for fut in as_completed(futures):
+
+                # a bounded window of tasks: the next is submitted as one finishes (the scheduler never holds
+                # every image's path; the workers are kept busy by the tasks queued ahead of them)
+                running = as_completed([submit(g) for g in islice(groups, _AHEAD_PER_WORKER * n)])
+                for fut in running:
                     for r in fut.result():
                         done(r)
+                    nxt = next(groups, None)
+                    if nxt is not None:
+                        running.add(submit(nxt))
             finally:
                 if own_client:  # a client we opened (to our LocalCluster or an external scheduler) is closed
                     client.close()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from captioning.data.columnar import DatasetFile
 from captioning.data.karpathy import Dataset
 from captioning.data.tar_members import MemberError
 
@@ -27,26 +29,25 @@ def load_stored(store_uri: str, sha: str, *, min_side: int, max_pixels: int):
         path.unlink(missing_ok=True)
 
 
-def publish_images(store_uri: str, ds: Dataset,
-                   todo: list[tuple[int, list[tuple[int, str]]]]) -> list[tuple[int, list[tuple[int, str]]]]:
+def publish_images(store_uri: str, ds: Dataset | DatasetFile, todo: Iterable[tuple[int, list[tuple[int, str]]]]
+                   ) -> Iterator[tuple[int, list[tuple[int, str]]]]:
     """The images of ``todo`` stored on the run store (each once: blobs are named by content) and the items
-    rewritten ``blob:<sha256>``, for workers that share nothing with this machine but the store. An image this
-    machine cannot read keeps its path (the worker rejects it as missing)."""
+    rewritten ``blob:<sha256>``, for workers that share nothing with this machine but the store; a chunk at a
+    time, as they are asked for. An image this machine cannot read keeps its path (the worker rejects it as
+    missing)."""
     from captioning.objectstore import ObjectStore
 
     store = ObjectStore(store_uri)
     store.stored_blobs()
-    sha = {e.image_id: e.sha256 for e in ds.images}
-    out = []
     for c, items in todo:
+        sha = [e.sha256 for e in ds.entries_of([image_id for image_id, _ in items])]
         rewritten = []
-        for row, path in items:
+        for (image_id, path), digest in zip(items, sha, strict=True):
             try:
-                rewritten.append((row, BLOB + _put(store, path, sha.get(row) or None)))
+                rewritten.append((image_id, BLOB + _put(store, path, digest or None)))
             except (OSError, MemberError):
-                rewritten.append((row, path))
-        out.append((c, rewritten))
-    return out
+                rewritten.append((image_id, path))
+        yield c, rewritten
 
 
 def _put(store, path: str, sha: str | None) -> str:

@@ -804,3 +804,29 @@ def test_run_merge_streams_ordered_runs_and_merges_overlapping_ones(tmp_path: Pa
     assert got == sorted(i for b in batches for i in b)
     # [1..9] alone; [10..40] overlaps [30..35]; [41..44], [50..51], [60..62] alone
     assert [[runs.bounds[k][0][0] for k in g] for g in _overlapping(runs.bounds)] == [[1], [10, 30], [41], [50], [60]]
+
+
+def test_entries_of_finds_entries_by_id_across_row_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dataset file looks entries up by image id (binary search in the id column, a row group read at a time):
+    the same entries as the dataset read whole, in the order asked, across row groups; an unknown id is a
+    KeyError naming it; the in-memory dataset answers the same."""
+    from captioning.data import columnar
+    from captioning.data.karpathy import Dataset, ingest_karpathy
+
+    monkeypatch.setattr(columnar, "ROW_GROUP", 3)
+    doc = {"images": [{"filepath": "d", "filename": f"{i}.jpg", "cocoid": 10 * i + 7, "split": "train",
+                       "sentences": [{"tokens": ["a", "cat", str(i)], "raw": f"a cat {i}", "sentid": i}]}
+                      for i in (5, 1, 9, 3, 0, 7, 2, 8, 6, 4)]}
+    ann = tmp_path / "a.json"
+    ann.write_text(json.dumps(doc))
+    f = ingest_karpathy(ann, None, tmp_path / "ds.parquet")
+    assert f._pf.num_row_groups == 4
+    whole = Dataset.from_file(f)
+    ids = [97, 7, 17, 37, 27, 67, 57, 47]
+    got = f.entries_of(ids)
+    assert [e.image_id for e in got] == ids
+    assert got == whole.entries_of(ids) == [next(e for e in whole.images if e.image_id == i) for i in ids]
+    with pytest.raises(KeyError, match="42"):
+        f.entries_of([7, 42])
+    with pytest.raises(KeyError, match="42"):
+        whole.entries_of([42])

@@ -112,11 +112,34 @@ def test_extract_schema_counts_and_bad_images(planted, tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(_arrays(res.store), _arrays(again.store), strict=True))
 
 
-def test_dask_workers_match_in_process(planted, tmp_path):
-    _, ds = planted
+def test_dask_workers_match_in_process(planted, tmp_path, monkeypatch):
+    """Two Dask workers fill the store as the in-process loop does, with the dataset streamed from its file (the
+    entries looked up a chunk at a time) and the tasks submitted a window at a time (here one per worker ahead)."""
+    from captioning.data.karpathy import ingest_karpathy
+    from captioning.features import parallel
+
+    root, ds = planted
+    streamed = ingest_karpathy(root / "data" / "dataset.json", root / "data" / "images", tmp_path / "ds.parquet",
+                               image_check="none", max_reject_fraction=1.0)
+    assert streamed.digest == ds.digest
     base = extract_features(extract_plan(_cfg(tmp_path / "a")), ds, workers=0, progress=False)
-    par = extract_features(extract_plan(_cfg(tmp_path / "b")), ds, workers=2, progress=False)
+    submitted = []
+    real_groups = parallel._groups
+
+    def counted(todo, per):
+        for g in real_groups(todo, per):
+            submitted.append(len(g))
+            yield g
+
+    monkeypatch.setattr(parallel, "_AHEAD_PER_WORKER", 1)
+    monkeypatch.setattr(parallel, "_groups", counted)
+    at_results = []
+    par = extract_features(extract_plan(_cfg(tmp_path / "b")), streamed, workers=2, progress=False,
+                           on_chunk=lambda r: at_results.append(len(submitted)))
     assert par.extracted == len(ds.images)
+    n_chunks = FeatureStore.open(par.store).num_chunks
+    assert len(submitted) == n_chunks > 2  # every chunk a task, more tasks than the window
+    assert at_results[0] == 2 and at_results[-1] == n_chunks  # two in flight when the first came back
     for a, b in zip(_arrays(base.store), _arrays(par.store), strict=True):
         assert np.array_equal(a, b)
 

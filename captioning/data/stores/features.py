@@ -279,9 +279,8 @@ class FeatureStore(ChunkedStore):
     def append_images(self, image_ids: Sequence[int]) -> range:
         """Grow every array by new rows (status pending). Existing rows are untouched. Not for concurrent use."""
         new = np.asarray(image_ids, dtype=np.int64)
-        have = set(self.image_ids().tolist())
-        if dup := sorted(have.intersection(new.tolist())):
-            raise StoreError(f"images already in the store: {dup[:10]}")
+        if len(dup := np.unique(new[np.isin(new, self.image_ids())])):
+            raise StoreError(f"images already in the store: {dup[:10].tolist()}")
         n0 = self.num_rows
         n1 = n0 + len(new)
         c = self.chunk_rows
