@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STAGES", "Stage", "stage_cider", "stage_coco_eval", "stage_digests", "stage_ingest", "stage_loader",
-           "stage_names", "stage_planted_quadratic", "stage_region_stats", "stage_vocab"]
+__all__ = ["STAGES", "Stage", "stage_cider", "stage_coco_eval", "stage_digests", "stage_extract_plan", "stage_ingest",
+           "stage_loader", "stage_names", "stage_planted_quadratic", "stage_region_stats", "stage_vocab"]
 
 
 def _config(p: Mapping[str, Any]):
@@ -180,6 +180,23 @@ def stage_digests(p: Mapping[str, Any]) -> dict[str, Any]:
             "dataset_digest": d[:16], "features_digest": m["digest"][:16], "labels_digest": lab[:16]}
 
 
+def stage_extract_plan(p: Mapping[str, Any]) -> dict[str, Any]:
+    """What extraction holds to plan its work, without the detector: every chunk of the feature store planned as
+    ``extract_features`` plans a pending one (its (image id, path) items from the streamed dataset file, made as
+    tasks are taken), items counted and dropped."""
+    from captioning.data.karpathy import open_dataset
+    from captioning.data.stores import FeatureStore
+    from captioning.features.parallel import iter_chunks
+
+    ds = open_dataset(_dataset_path(p))
+    store = FeatureStore.open(p["features"])
+    chunks = items = 0
+    for _, planned in iter_chunks(store, ds, range(store.num_chunks)):
+        chunks += 1
+        items += len(planned)
+    return {"chunks": chunks, "items": items}
+
+
 def stage_planted_quadratic(p: Mapping[str, Any]) -> dict[str, Any]:
     """Self-check of the fit: all pairs of N items compared in a Python loop (O(N^2); 2,000 items take ~0.1 s)."""
     k = max(2, int(p["images"]))
@@ -227,6 +244,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("captioning.metrics.coco", "captioning.data.karpathy"), needs=("ingest",)),
     Stage("digests", f"{_M}:stage_digests", "dataset digest, feature-store manifest, label-store digest",
           ("captioning.data.karpathy", "captioning.data.stores"), needs=("ingest", "vocab")),
+    Stage("extract-plan", f"{_M}:stage_extract_plan", "extraction's plan of every chunk (dataset looked up by id)",
+          ("captioning.features.parallel", "captioning.data.karpathy"), needs=("ingest",), default=False),
     Stage("planted-quadratic", f"{_M}:stage_planted_quadratic", "self-check of the fit: an O(N^2) loop",
           default=False, data=False),
 )}
