@@ -426,7 +426,7 @@ def test_bleu_and_cider_in_chunks_are_pycocoevalcaps_bit_for_bit(external, karpa
     assert got == want and got_per.tolist() == want_per.tolist()
     assert round(got, 3) == 1.311  # ACORT's published CIDEr
     # an image scored with only its own chunk's document counts differs: the counts are the corpus's
-    alone, alone_per = Cider().compute_score({i: gts[i] for i in ids[:777]}, {i: res[i] for i in ids[:777]})
+    _, alone_per = Cider().compute_score({i: gts[i] for i in ids[:777]}, {i: res[i] for i in ids[:777]})
     assert alone_per.tolist() != got_per[:777].tolist()
 
     want_b, want_b_per = Bleu(4).compute_score(gts, res, verbose=0)
