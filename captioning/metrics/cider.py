@@ -313,7 +313,8 @@ class CiderD:
         with Python-int token lists, but nothing is kept per caption, image or n-gram in Python, and the n-gram
         table only has the n-grams of at least two images (:class:`~captioning.metrics.cider_pruned.PrunedTable`,
         built one order at a time in bounded chunks of images); each scored batch's reference vectors are computed
-        from the (shared, not copied) token arrays when it is scored. ``df`` looks up an n-gram of a single image by
+        from the (shared, not copied) token arrays - numpy arrays, or arrays read from a file by position - when it
+        is scored. ``df`` looks up an n-gram of a single image by
         a scan of the references; ``len(df)`` is the pruned table's size, :attr:`table_size` the full one's.
         """
         refs = CsrReferences(tokens, token_offsets, caption_offsets, image_ids, append)

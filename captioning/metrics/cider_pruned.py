@@ -19,22 +19,27 @@ Why the n-grams of a single image can be left out, exactly:
   block.
 
 Memory: the table is 13 bytes per n-gram of >= 2 images (sorted int64 key, int32 document count, block); the
-build's temporaries are those of a chunk (<= :data:`_CHUNK_REFS` references) plus one order's counter over the
-k-grams whose prefix and suffix are both in >= 2 images. Nothing here imports :mod:`captioning.metrics.cider`.
+build's temporaries are those of a chunk (<= :data:`_CHUNK_REFS` references) and of one partition of an order's
+count (:class:`_Counter`: the k-grams whose prefix and suffix are both in >= 2 images are counted on disk, in
+key-range partitions of ~:data:`_PART_ENTRIES` entries, summed one at a time). Nothing here imports
+:mod:`captioning.metrics.cider`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import numpy as np
 
+from captioning.data.spill import SpilledArray
 from captioning.metrics.cider_refs import _SHIFT, CountIdf, CsrReferences, _NgramIndex, sorted_join
 
 __all__ = ["PrunedTable"]
 
 _CHUNK_REFS = 65_536  # references per chunk of the build at most (temporaries: ~100 bytes per token)
 _LUT_MAX = 1 << 24  # tokens below this are mapped to word ids through a dense array
+_PART_ENTRIES = 1 << 20  # an order's count entries per partition, about (see _Counter): ~40 MB to sum one
 
 
 def chunk_edges(blocks: Sequence[tuple[int, int]], n_refs: np.ndarray, per: int) -> list[tuple[int, int, int]]:
@@ -61,26 +66,58 @@ def _distinct(x: np.ndarray) -> np.ndarray:
 
 
 class _Counter:
-    """Sorted int64 keys with their document counts and the block each first appeared in."""
+    """One order's document counts over its candidate keys, written chunk by chunk into key-range partitions on disk
+    (:class:`~captioning.data.spill.SpilledArray`, one (key, count, block) entry per key and chunk) and summed one
+    partition at a time by :meth:`kept`: memory holds one partition, not every candidate key (most of which are in
+    one image and dropped). The partitions' bounds are quantiles of the first chunk's keys; their number follows
+    from ``entries``, a bound on the entries to come (at most one per token of the corpus and order)."""
 
-    def __init__(self, block_dtype):
-        self.keys = np.zeros(0, np.int64)
-        self.count = np.zeros(0, np.int32)
-        self.first = np.zeros(0, block_dtype)
+    def __init__(self, entries: int, block_dtype):
+        self.n_parts = max(1, -(-int(entries) // _PART_ENTRIES))
+        self.entry = np.dtype([("key", np.int64), ("count", np.int32), ("first", block_dtype)])
+        self.bounds: np.ndarray | None = None
+        self.parts: list[SpilledArray] = []
+        self.distinct = 0  # distinct keys, known after kept()
 
     def add(self, keys: np.ndarray, count: np.ndarray, block: int) -> None:
-        """Add the counts of the (sorted, distinct) ``keys``; new keys are recorded as first seen in ``block``."""
-        pos = np.searchsorted(self.keys, keys)
-        hit = np.zeros(len(keys), bool)
-        inside = pos < len(self.keys)
-        hit[inside] = self.keys[pos[inside]] == keys[inside]
-        self.count[pos[hit]] += count[hit].astype(np.int32)
-        new = ~hit
-        if new.any():
-            at = pos[new]
-            self.keys = np.insert(self.keys, at, keys[new])
-            self.count = np.insert(self.count, at, count[new].astype(np.int32))
-            self.first = np.insert(self.first, at, block)
+        """The counts of one chunk's (sorted, distinct) ``keys``, first seen in ``block`` (blocks come in order)."""
+        if not len(keys):
+            return
+        if self.bounds is None:
+            picks = (np.arange(1, self.n_parts) * len(keys)) // self.n_parts
+            self.bounds = np.unique(keys[picks])
+            self.parts = [SpilledArray(self.entry) for _ in range(len(self.bounds) + 1)]
+        rec = np.empty(len(keys), self.entry)
+        rec["key"], rec["count"], rec["first"] = keys, count, block
+        edges = [0, *np.searchsorted(keys, self.bounds).tolist(), len(keys)]
+        for part, (lo, hi) in zip(self.parts, pairwise(edges), strict=True):
+            if hi > lo:
+                part.append(rec[lo:hi])
+
+    def kept(self, minimum: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(keys, count, first)`` of the keys counted at least ``minimum`` times, sorted by key: a key's counts
+        summed over chunks, its first block the earliest; :attr:`distinct` counts every key. The partitions'
+        files are dropped as they are read; the kept entries wait on disk too (no list and concatenation of them,
+        which held them twice)."""
+        out = (SpilledArray(np.int64), SpilledArray(np.int32), SpilledArray(self.entry["first"]))
+        for part in self.parts:
+            rec = np.asarray(part.array())  # one partition, read whole
+            order = np.argsort(rec["key"], kind="stable")  # chunk order kept within a key: its first block first
+            keys = rec["key"][order]
+            start = np.ones(len(keys), bool)
+            np.not_equal(keys[1:], keys[:-1], out=start[1:])
+            at = np.flatnonzero(start)
+            count = np.add.reduceat(rec["count"][order], at, dtype=np.int32) if len(at) else np.zeros(0, np.int32)
+            first = rec["first"][order[at]]
+            del rec, order
+            part.close()
+            self.distinct += len(at)
+            keep = count >= minimum
+            for got, values in zip(out, (keys[at][keep], count[keep], first[keep]), strict=True):
+                got.append(values)
+            del keys, count, first, keep
+        self.parts = []
+        return tuple(np.asarray(a.array()) for a in out)
 
 
 class PrunedTable:
@@ -106,23 +143,27 @@ class PrunedTable:
             words = got + np.concatenate([words, np.zeros(size - len(words), np.int64)])
         index.sizes[1] = len(index.vocab)
         self._make_lut()
-        counts, first = [words.astype(np.int32)], [np.zeros(len(words), block_dtype)]
+        counts, first = SpilledArray(np.int32), SpilledArray(block_dtype)  # over the orders, read back at the end
+        counts.append(words.astype(np.int32))
+        first.append(np.zeros(len(words), block_dtype))
         self.distinct = len(index.vocab)
+        entries = int(refs.token_offsets[-1]) + len(refs.token_offsets)  # tokens, an appended one per caption
         for k in range(2, n + 1):
-            counter, single = _Counter(block_dtype), 0
+            counter, single = _Counter(entries, block_dtype), 0
             for lo, hi, b in self._chunks:
-                keys, got, alone = self._count_order(k, *self._chunk(lo, hi), words)
-                counter.add(keys, got, b)
+                got, count, alone = self._count_order(k, *self._chunk(lo, hi), words)
+                counter.add(got, count, b)
                 single += alone
-            self.distinct += len(counter.keys) + single
-            keep = counter.count >= 2
-            index.keys[k], index.ids[k], index.sizes[k] = counter.keys[keep], None, int(keep.sum())
-            counts.append(counter.count[keep])
-            first.append(counter.first[keep])
-            del counter, keep
-        self.counts = np.concatenate(counts)  # over the combined ids (index.offsets())
-        del counts
-        self.first = np.concatenate(first)
+            keys, got, block = counter.kept(2)
+            self.distinct += counter.distinct + single
+            index.keys[k], index.ids[k], index.sizes[k] = keys, None, len(keys)
+            counts.append(got)
+            first.append(block)
+            del counter, keys, got, block
+        self.counts = np.asarray(counts.array())  # over the combined ids (index.offsets())
+        self.first = np.asarray(first.array())
+        counts.close()
+        first.close()
         self.offsets = index.offsets()
 
     # -- reading the references ---------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ The n-gram table is described in :mod:`captioning.metrics.cider`.
 Python: ``tokens`` (all captions' tokens, one flat array), ``token_offsets`` (caption c is
 ``tokens[token_offsets[c]:token_offsets[c + 1]]``), ``caption_offsets`` (image i has the captions
 ``caption_offsets[i]..caption_offsets[i + 1] - 1``) and ``image_ids`` (int64, distinct). An ``append`` token (SCST's
-``<eos>``) is added to the end of every caption when captions are read, without a copy of the corpus.
+``<eos>``) is added to the end of every caption when captions are read, without a copy of the corpus. ``tokens`` and
+``token_offsets`` may be arrays read from a file by position (:class:`captioning.data.spill.FileArray`): they are
+only ever sliced and gathered, never read whole.
 :class:`CountIdf` is the idf over a table's n-gram ids computed from their document counts through a small
 per-count table instead of one float per n-gram.
 
@@ -33,6 +35,23 @@ def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         return _EMPTY
     first = np.cumsum(counts) - counts
     return np.arange(total, dtype=np.int64) - np.repeat(first - starts, counts)
+
+
+def _array(values):
+    """``values`` as a numpy array, or as it is when it is already a one-dimensional typed array (a
+    :class:`~captioning.data.spill.FileArray`: not read whole)."""
+    if isinstance(values, np.ndarray) or (getattr(values, "ndim", None) == 1 and hasattr(values, "dtype")):
+        return values
+    return np.asarray(values)
+
+
+def _rising(a, block: int = 1 << 20) -> bool:
+    """Whether ``a`` never falls, read a block at a time."""
+    for lo in range(0, max(len(a) - 1, 0), block):
+        x = a[lo:lo + block + 1]
+        if (x[1:] < x[:-1]).any():
+            return False
+    return True
 
 
 def _tokens(caption) -> list:
@@ -238,8 +257,8 @@ class CsrReferences:
 
     def __init__(self, tokens: np.ndarray, token_offsets: np.ndarray, caption_offsets: np.ndarray,
                  image_ids: np.ndarray, append: int | None = None):
-        self.tokens = np.asarray(tokens)
-        self.token_offsets = np.asarray(token_offsets)
+        self.tokens = _array(tokens)
+        self.token_offsets = _array(token_offsets)
         self.caption_offsets = np.asarray(caption_offsets)
         self.image_ids = np.asarray(image_ids)
         if self.tokens.ndim != 1 or self.tokens.dtype.kind not in "iu":
@@ -253,7 +272,7 @@ class CsrReferences:
         if n_img and (self.caption_offsets[0] != 0 or self.caption_offsets[-1] != n_cap):
             raise ValueError("caption_offsets must run from 0 to the number of captions")
         if n_cap > 0 and (self.token_offsets[0] != 0 or self.token_offsets[-1] != len(self.tokens)
-                          or (np.diff(self.token_offsets) < 0).any()):
+                          or not _rising(self.token_offsets)):
             raise ValueError("token_offsets must rise from 0 to the number of tokens")
         self.n_refs = np.diff(self.caption_offsets).astype(np.int64)
         if (self.n_refs <= 0).any():
@@ -261,8 +280,12 @@ class CsrReferences:
             raise ValueError(f"references[{int(self.image_ids[i])!r}] is empty: every image needs at least one "
                              "reference")
         self.append = None if append is None else int(append)
-        self._order = np.argsort(self.image_ids, kind="stable")
-        self._sorted = self.image_ids[self._order].astype(np.int64)
+        ids = self.image_ids.astype(np.int64, copy=False)
+        if len(ids) < 2 or (ids[1:] > ids[:-1]).all():  # ids in increasing order (shards' keys): no second copy
+            self._order, self._sorted = None, ids
+        else:
+            self._order = np.argsort(ids, kind="stable")
+            self._sorted = ids[self._order]
         if len(self._sorted) > 1 and (self._sorted[1:] == self._sorted[:-1]).any():
             raise ValueError("image_ids must be distinct")
 
@@ -280,7 +303,7 @@ class CsrReferences:
             pos = np.minimum(np.searchsorted(self._sorted, q), len(self._sorted) - 1)
             ok = self._sorted[pos] == q
             if ok.all():
-                return self._order[pos]
+                return pos if self._order is None else self._order[pos]
             bad = list(ref_ids)[int(np.flatnonzero(~ok)[0])]
         else:
             bad = next((r for r in ref_ids if not isinstance(r, (int, np.integer))), next(iter(ref_ids)))

@@ -21,7 +21,8 @@ import numpy as np
 from captioning.config import PipelineConfig, SCSTConfig, XEConfig
 from captioning.data.karpathy import SPLIT_CODES
 from captioning.data.loader import CaptionDataset, FeatureSource
-from captioning.data.stores import GROUND_TRUTH, Labels
+from captioning.data.spill import SpilledArray
+from captioning.data.stores import GROUND_TRUTH, Labels, LabelStore
 from captioning.data.text import BOS, EOS, PAD, RadixCodec, Vocabulary
 from captioning.models.encoder_decoder import ArchConfig, Captioner
 from captioning.models.names import SIZES, TEACHER_NAMES, preset_name
@@ -270,7 +271,7 @@ class References:
         return len(self.image_ids)
 
     def _captions(self):
-        toks, off = self.tokens.tolist(), self.token_offsets.tolist()
+        toks, off = np.asarray(self.tokens).tolist(), np.asarray(self.token_offsets).tolist()
         for i, iid in enumerate(self.image_ids.tolist()):
             lo, hi = int(self.caption_offsets[i]), int(self.caption_offsets[i + 1])
             yield iid, [toks[off[c]:off[c + 1]] for c in range(lo, hi)]
@@ -294,9 +295,64 @@ class References:
 _REF_CHUNK = 65_536  # label rows per step of references(): its temporaries stay those of a chunk
 
 
-def references(labels: Labels, vocab: Vocabulary, split: str) -> References:
+class _CompactTokens:
+    """Caption tokens gathered into one flat array a block of label rows at a time (PAD removed): uint16 while
+    every word id fits (the vocabulary has <= 65,536 words), int32 from the first block that does not. With
+    ``spill`` the tokens and offsets go to :class:`~captioning.data.spill.SpilledArray` files as they come and are
+    read back by position (never held whole); else they are concatenated in memory."""
+
+    def __init__(self, vocab: Vocabulary, spill: bool = False):
+        self.small = len(vocab) <= 2**16
+        self.spill = spill
+        self.parts: list[np.ndarray] = []
+        self.counts: list[np.ndarray] = []
+        self.spilled = SpilledArray(np.uint16 if self.small else np.int32) if spill else None
+        self.offsets = SpilledArray(np.int64) if spill else None
+        self.total = 0
+        if self.offsets is not None:
+            self.offsets.append(np.zeros(1, np.int64))
+
+    def add(self, tokens: np.ndarray, length: np.ndarray) -> None:
+        keep = (np.arange(tokens.shape[1]) < length[:, None]) & (tokens != PAD)
+        flat = tokens[keep]
+        was_small = self.small
+        self.small = self.small and (not len(flat) or (flat.min() >= 0 and flat.max() < 2**16))
+        counts = keep.sum(1)
+        if self.spilled is None or self.offsets is None:
+            self.parts.append(flat.astype(np.uint16) if self.small else flat.astype(np.int32))
+            self.counts.append(counts)
+            return
+        if was_small and not self.small:
+            self.spilled = self.spilled.widened(np.int32)
+        self.spilled.append(flat)
+        self.offsets.append(self.total + np.cumsum(counts))
+        self.total += int(counts.sum())
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, token_offsets)."""
+        if self.spilled is not None and self.offsets is not None:
+            return self.spilled.array(), self.offsets.array()
+        dtype = np.uint16 if self.small else np.int32
+        tokens = np.concatenate(self.parts).astype(dtype, copy=False) if self.parts else np.zeros(0, np.int32)
+        self.parts = []
+        n_tok = np.concatenate(self.counts) if self.counts else np.zeros(0, np.int64)
+        return tokens, np.concatenate([[0], np.cumsum(n_tok)]).astype(np.int64)
+
+
+def references(labels: Labels | LabelStore, vocab: Vocabulary, split: str, *, spill: bool = False) -> References:
     """Ground-truth references of ``split`` from the label store (words outside the vocabulary are <unk>;
-    for metrics use the dataset's own captions when they are at hand), as compact arrays."""
+    for metrics use the dataset's own captions when they are at hand), as compact arrays.
+
+    ``labels``: the store in memory, or the :class:`LabelStore` itself, read a chunk at a time (each chunk checked
+    against its checksums): only the references are held, never the store's tokens. Where an image's captions are
+    not one run of rows (a store written otherwise than image by image) the store's columns are read whole.
+    ``spill`` (a store streamed): the tokens and their offsets go to temporary files read back by position
+    (:class:`~captioning.data.spill.SpilledArray`): SCST's rewards read a batch's references from there."""
+    if isinstance(labels, LabelStore):
+        streamed = _streamed_references(labels, vocab, split, spill)
+        if streamed is not None:
+            return streamed
+        labels = labels.read()
     idx = np.flatnonzero((labels.split == SPLIT_CODES[split]) & (labels.source == GROUND_TRUTH))
     iid = labels.image_id[idx].astype(np.int64)
     uniq, first, inv = np.unique(iid, return_index=True, return_inverse=True)
@@ -309,24 +365,50 @@ def references(labels: Labels, vocab: Vocabulary, split: str) -> References:
     order = idx[np.argsort(img_of_cap, kind="stable")]  # label rows, image by image, store order within
     caption_offsets = np.concatenate([[0], np.cumsum(np.bincount(img_of_cap, minlength=len(uniq)))]).astype(np.int64)
     del img_of_cap, idx
-    small = len(vocab) <= 2**16
-    parts, counts = [], []
+    compact = _CompactTokens(vocab)
     for lo in range(0, len(order), _REF_CHUNK):
         rows = order[lo:lo + _REF_CHUNK]
-        tok = labels.tokens[rows]
-        keep = (np.arange(tok.shape[1]) < labels.length[rows][:, None]) & (tok != PAD)
-        flat = tok[keep]
-        small = small and (not len(flat) or (flat.min() >= 0 and flat.max() < 2**16))
-        parts.append(flat.astype(np.uint16) if small else flat.astype(np.int32))
-        counts.append(keep.sum(1))
-    dtype = np.uint16 if small else np.int32
-    tokens = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, np.int32)
-    del parts
-    n_tok = np.concatenate(counts) if counts else np.zeros(0, np.int64)
-    token_offsets = np.concatenate([[0], np.cumsum(n_tok)]).astype(np.int64)
+        compact.add(labels.tokens[rows], labels.length[rows])
+    tokens, token_offsets = compact.arrays()
     last = order[caption_offsets[1:] - 1] if len(uniq) else np.zeros(0, np.int64)
     image_rows = labels.image_row[last].astype(np.int64)  # the row of each image's last caption
     return References(tokens, token_offsets, caption_offsets, uniq[by_first], image_rows, vocab)
+
+
+def _streamed_references(store: LabelStore, vocab: Vocabulary, split: str, spill: bool) -> References | None:
+    """:func:`references` in one pass over the store, a chunk at a time; None when some image's captions of the
+    split are not one run of rows (then the order of first captions needs every row at once)."""
+    code = SPLIT_CODES[split]
+    compact = _CompactTokens(vocab, spill)
+    run_ids: list[np.ndarray] = []  # per block: the image id of each run of rows, its captions and last feature row
+    run_caps: list[np.ndarray] = []
+    run_rows: list[np.ndarray] = []
+    for _, v in store.blocks(("tokens", "length", "image_row", "image_id", "split", "source")):
+        sel = np.flatnonzero((v["split"] == code) & (v["source"] == GROUND_TRUTH))
+        if not len(sel):
+            continue
+        compact.add(v["tokens"][sel], v["length"][sel])
+        iid = v["image_id"][sel].astype(np.int64)
+        starts = np.flatnonzero(np.concatenate([[True], iid[1:] != iid[:-1]]))
+        ends = np.append(starts[1:], len(iid))
+        ids, caps, rows = iid[starts], ends - starts, v["image_row"][sel[ends - 1]]
+        if run_ids and run_ids[-1][-1] == ids[0]:  # the previous block's last image goes on
+            run_caps[-1][-1] += caps[0]
+            run_rows[-1][-1] = rows[0]
+            if len(ids) == 1:
+                continue
+            ids, caps, rows = ids[1:], caps[1:], rows[1:]
+        run_ids.append(ids)
+        run_caps.append(caps.astype(np.int64))
+        run_rows.append(rows.astype(np.int64))
+    image_ids = np.concatenate(run_ids) if run_ids else np.zeros(0, np.int64)
+    if len(np.unique(image_ids)) != len(image_ids):
+        return None
+    tokens, token_offsets = compact.arrays()
+    counts = np.concatenate(run_caps) if run_caps else np.zeros(0, np.int64)
+    caption_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    image_rows = np.concatenate(run_rows) if run_rows else np.zeros(0, np.int64)
+    return References(tokens, token_offsets, caption_offsets, image_ids, image_rows, vocab)
 
 
 def split_rows(labels: Labels, split: str, ok_rows: np.ndarray) -> np.ndarray:

@@ -196,11 +196,11 @@ def _csr_of(references: Mapping[Hashable, Sequence[Sequence[int]]]):
 def reward_scorer(references) -> CiderD:
     """SCST's CIDEr-D: the references (see :class:`ScstLoss`) with ``<eos>`` appended, df from them."""
     if hasattr(references, "caption_offsets"):  # compact references (captioning.training.recipe.References)
-        arrays = (references.tokens, references.token_offsets, references.caption_offsets, references.image_ids)
-    else:
-        arrays = _csr_of(references)
-        if arrays is None:
-            return CiderD.from_token_ids({k: [[*map(int, r), EOS] for r in refs] for k, refs in references.items()})
+        return CiderD.from_csr(references.tokens, references.token_offsets, references.caption_offsets,
+                               references.image_ids, append=EOS)
+    arrays = _csr_of(references)
+    if arrays is None:
+        return CiderD.from_token_ids({k: [[*map(int, r), EOS] for r in refs] for k, refs in references.items()})
     return CiderD.from_csr(*arrays, append=EOS)
 
 

@@ -100,6 +100,14 @@ class StageContext:
     def reload_labels(self) -> None:
         self._labels = None
 
+    def references(self, split: str, spill: bool = False):
+        """Ground-truth references of ``split`` (:func:`~captioning.training.recipe.references`): from the labels in
+        memory once they are read, else streamed from the store a chunk at a time (``spill``: their tokens read from
+        temporary files by position)."""
+        if self._labels is not None:
+            return references(self._labels, self.vocab, split)
+        return references(LabelStore.open(self.labels_uri), self.vocab, split, spill=spill)
+
     @property
     def d_in(self) -> int:
         src = self.source
@@ -116,12 +124,12 @@ class StageContext:
     def text_references(self, split: str) -> dict[int, list[str]]:
         if self.dataset is not None:
             return {e.image_id: list(e.captions) for e in self.dataset.iter_entries(split)}
-        return references(self.labels, self.vocab, split).text
+        return self.references(split).text
 
     def train_captions(self) -> list[str]:
         if self.dataset is not None:
             return [c for e in self.dataset.iter_entries("train") for c in e.captions]
-        return [c for v in references(self.labels, self.vocab, "train").text.values() for c in v]
+        return [c for v in self.references("train").text.values() for c in v]
 
     def max_tokens(self, model: Captioner | ArchConfig) -> int:
         return max_tokens(model, self.plan.max_words, self.vocab.radix())
@@ -191,7 +199,7 @@ def fit_scst(ctx: StageContext, init_checkpoint: str | Path, ckpt_dir: str | Pat
         raise ValueError(f"the plan of {ctx.plan.label} has no SCST (students.scst.enabled is false)")
     model, _ = load_model(init_checkpoint, device=ctx.device, dropout=sp.dropout)
     codec = codec_for(model, ctx.vocab)
-    refs = references(ctx.labels, ctx.vocab, "train")  # compact arrays: ScstLoss's rewards read them as they are
+    refs = ctx.references("train", spill=True)  # compact arrays (tokens in a file): ScstLoss's rewards read them
     loss = ScstLoss(refs, samples=sp.samples, baseline=sp.baseline, max_tokens=ctx.max_tokens(model), codec=codec)
     data = caption_dataset(ctx.source, ctx.labels, ctx.plan, codec=codec, captions_per_image=1, seed_offset=1)
 

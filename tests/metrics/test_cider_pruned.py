@@ -51,12 +51,16 @@ def _candidates(rng, refs, caption, count=300):
     return cands, rids
 
 
-@pytest.mark.parametrize(("block_refs", "chunk_refs"), [(10**9, 23), (61, 17), (40, 10**9), (97, 1)])
+@pytest.mark.parametrize(("block_refs", "chunk_refs", "part_entries"),
+                         [(10**9, 23, 1 << 20), (61, 17, 1), (61, 17, 40), (40, 10**9, 7), (97, 1, 300)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_pruned_scores_equal_the_full_table_bit_for_bit(seed, block_refs, chunk_refs, monkeypatch):
+def test_pruned_scores_equal_the_full_table_bit_for_bit(seed, block_refs, chunk_refs, part_entries, monkeypatch):
+    """``part_entries``: an order's count in partitions of about that many entries (1: as many partitions as the
+    first chunk has keys; 1 << 20: one)."""
     monkeypatch.setattr(cider_mod, "_BLOCK_REFS", block_refs)
     monkeypatch.setattr(cider_mod, "_MAX_BLOCKS", 10**6)
     monkeypatch.setattr(cider_pruned, "_CHUNK_REFS", chunk_refs)
+    monkeypatch.setattr(cider_pruned, "_PART_ENTRIES", part_entries)
     rng, refs, csr, caption = _corpus(seed)
     full = CiderD.from_token_ids({k: [[*r, EOS] for r in v] for k, v in refs.items()})
     pruned = CiderD.from_csr(*csr, append=EOS)
@@ -84,3 +88,29 @@ def test_chunks_stay_inside_blocks_and_bounded():
         assert blocks[b][0] <= lo < hi <= blocks[b][1]
         assert hi - lo == 1 or n_refs[lo:hi].sum() <= 6
     assert chunk_edges([(0, 0)], np.zeros(0, np.int64), 6) == []
+
+
+def test_the_counter_sums_counts_and_keeps_the_first_block_over_partitions(monkeypatch):
+    monkeypatch.setattr(cider_pruned, "_PART_ENTRIES", 3)
+    c = cider_pruned._Counter(9, np.uint8)  # 3 partitions, bounded by the first chunk's keys: [.., 5), [5, 9), [9, ..)
+    c.add(np.array([3, 5, 9]), np.array([1, 1, 1]), 0)
+    c.add(np.array([1, 5, 12]), np.array([2, 3, 1]), 1)
+    c.add(np.array([1, 7, 12]), np.array([1, 1, 1]), 2)
+    c.add(np.array([4, 12]), np.array([1, 4]), 3)
+    assert c.bounds.tolist() == [5, 9] and len(c.parts) == 3
+    keys, count, first = c.kept(2)
+    assert keys.tolist() == [1, 5, 12] and count.tolist() == [3, 4, 6] and first.tolist() == [1, 0, 1]
+    assert count.dtype == np.int32 and first.dtype == np.uint8
+    assert c.distinct == 7 and c.parts == []
+
+
+@pytest.mark.parametrize("ids", [[3, 8, 20, 21], [20, 3, 21, 8]])
+def test_reference_positions_by_id_whether_or_not_the_ids_come_sorted(ids):
+    from captioning.metrics.cider_refs import CsrReferences
+
+    refs = CsrReferences(np.arange(8), np.arange(9), np.array([0, 2, 4, 6, 8]), np.array(ids, np.int64))
+    assert refs.index_of([21, 3, 20, 20, 8]).tolist() == [ids.index(i) for i in (21, 3, 20, 20, 8)]
+    with pytest.raises(KeyError, match="no references for id 9"):
+        refs.index_of([3, 9])
+    with pytest.raises(ValueError, match="distinct"):
+        CsrReferences(np.arange(8), np.arange(9), np.array([0, 2, 4, 6, 8]), np.array([3, 8, 8, 9]))

@@ -3,12 +3,15 @@ captions, text and rows as the dict-building implementation, and bit-identical r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from captioning.data.karpathy import SPLIT_CODES
-from captioning.data.stores import GROUND_TRUTH, Labels
+from captioning.data.spill import FileArray
+from captioning.data.stores import GROUND_TRUTH, CorruptDataError, Labels, LabelStore
 from captioning.data.text import BOS, EOS, PAD, Vocabulary
 from captioning.metrics.cider import CiderD
 from captioning.training import recipe
@@ -90,3 +93,69 @@ def test_scst_rewards_from_compact_references_are_bit_identical(seed):
     assert np.array_equal(compact.rewards(toks, rids), want)
     assert np.array_equal(from_dict.rewards(toks, rids), want)
     assert (want > 0.5).sum() > 30
+
+
+def _store(tmp_path, labels: Labels, chunk: int) -> LabelStore:
+    """``labels`` as a label store of ``chunk`` rows per chunk: ground truth first, the other source appended."""
+    gt = labels.source == GROUND_TRUTH
+    s = LabelStore.create(str(tmp_path / f"labels-{chunk}.zarr"), labels.tokens[gt], labels.length[gt],
+                          labels.image_row[gt], labels.image_id[gt], labels.split[gt], chunk=chunk)
+    o = ~gt
+    s.add_source("seqkd", labels.tokens[o], labels.length[o], labels.image_row[o], labels.image_id[o],
+                 labels.split[o])
+    return LabelStore.open(s.uri)
+
+
+def _by_image(labels: Labels) -> Labels:
+    """The rows regrouped image by image (in the order of their first row), as the vocab stage writes them."""
+    _, first, inv = np.unique(labels.image_id, return_index=True, return_inverse=True)
+    rank = np.argsort(np.argsort(first, kind="stable"), kind="stable")
+    return labels.select(np.argsort(rank[inv.reshape(-1)], kind="stable"))
+
+
+def _assert_same(got, want) -> None:
+    for name in ("tokens", "token_offsets", "caption_offsets", "image_ids", "image_rows"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+
+
+@pytest.mark.parametrize("spill", [False, True])
+@pytest.mark.parametrize("chunk", [3, 7, 64, 65_536])
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_references_streamed_from_the_store_equal_the_in_memory_ones(tmp_path, split, chunk, spill, monkeypatch):
+    """Images whose captions run across chunk boundaries, the other source after the ground truth: one pass over the
+    store, the store never read whole, the same arrays as from the labels in memory (``spill``: mapped from
+    temporary files, and the same SCST rewards bit for bit)."""
+    labels = _by_image(_labels(3, images=120))
+    labels.image_row = np.arange(len(labels.image_row))  # each caption its own row: the last one's is kept
+    store = _store(tmp_path, labels, chunk)
+    want = references(store.read(), VOCAB, split)
+
+    def whole(*a, **k):
+        raise AssertionError("the store was read whole")
+
+    monkeypatch.setattr(LabelStore, "read", whole)
+    got = references(store, VOCAB, split, spill=spill)
+    _assert_same(got, want)
+    assert got.ids == want.ids and got.rows == want.rows and len(got) > 10
+    assert isinstance(got.tokens, FileArray) == spill and isinstance(got.token_offsets, FileArray) == spill
+    if spill:
+        keys = list(want.ids)[:40]
+        cands = [[*want.ids[k][0][:3], EOS] for k in keys[::-1]]
+        scored = ScstLoss(got, samples=2).cider.score_batch(cands, keys)
+        assert np.array_equal(scored, ScstLoss(want, samples=2).cider.score_batch(cands, keys))
+        assert (scored > 0).any()
+
+
+def test_references_of_a_store_not_written_image_by_image_read_it_whole(tmp_path):
+    labels = _labels(0)  # an image's captions are scattered over the store
+    store = _store(tmp_path, labels, 16)
+    _assert_same(references(store, VOCAB, "train"), references(store.read(), VOCAB, "train"))
+
+
+def test_references_from_a_damaged_store_name_the_chunk(tmp_path):
+    store = _store(tmp_path, _by_image(_labels(4)), 16)
+    f1, f2 = (Path(store.uri) / "tokens" / "c" / f"{k}" / "0" for k in (1, 2))
+    f1.write_bytes(f2.read_bytes())  # another chunk's valid bytes
+    with pytest.raises(CorruptDataError, match=rf"chunk 1 .*{f1}"):
+        references(LabelStore.open(store.uri), VOCAB, "train")

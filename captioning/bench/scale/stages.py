@@ -114,19 +114,17 @@ def stage_loader(p: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def stage_cider(p: Mapping[str, Any]) -> dict[str, Any]:
-    """SCST's reward set-up as ``fit_scst`` does it (label store -> train references -> ``ScstLoss``, which builds
-    CIDEr-D's document frequencies and reference vectors), then 20 reward batches of 50 images x 5 samples (the
-    samples: other training images' references)."""
+    """SCST's reward set-up as ``fit_scst`` does it (label store, streamed -> train references -> ``ScstLoss``,
+    which builds CIDEr-D's document frequencies and reference vectors), then 20 reward batches of 50 images x 5
+    samples (the samples: other training images' references)."""
     from captioning.data.stores import LabelStore
     from captioning.data.text import EOS, Vocabulary
     from captioning.training.recipe import references
     from captioning.training.scst import ScstLoss
 
     t0 = time.perf_counter()
-    labels = LabelStore.open(_labels_uri(p)).read()
     vocab = Vocabulary.load(Path(p["vocab_out"]) / "vocab.json")
-    refs = references(labels, vocab, "train")  # compact arrays (CSR), as fit_scst hands them to ScstLoss
-    del labels
+    refs = references(LabelStore.open(_labels_uri(p)), vocab, "train", spill=True)  # as fit_scst builds them
     t_refs = time.perf_counter() - t0
     loss = ScstLoss(refs, samples=5)
     t_df = time.perf_counter() - t0 - t_refs

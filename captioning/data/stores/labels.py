@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,15 +180,7 @@ class LabelStore(ChunkedStore):
             raise CorruptDataError(f"label store {self.uri}: cannot read the checksums of chunks {sorted(bad)} "
                                    f"({self.chunk_file(CHECKSUMS, min(bad))}, ...). {self.repair_hint()}")
         if sums is not None:
-            faults = []
-            for k in range(self._chunks):
-                if not sums[k].any():
-                    continue
-                dig = self._digests(self._chunk_values(vals, 0, k))
-                wrong = [n for i, n in enumerate(self.ARRAYS) if not np.array_equal(dig[i], sums[k, i])]
-                if wrong:
-                    faults.append(ChunkFault(k, self._range(k), wrong, [self.chunk_file(n, k) for n in wrong],
-                                             "values differ from the checksum recorded when the chunk was written"))
+            faults = [f for k in range(self._chunks) for f in self._faults(sums, k, vals, 0, self.ARRAYS)]
             self._raise_faults(VerifyReport(self.uri, "labels", self._chunks, self._chunks, faults))
         return Labels(
             tokens=vals["tokens"],
@@ -197,8 +189,54 @@ class LabelStore(ChunkedStore):
             image_id=vals["image_id"],
             split=vals["split"],
             source=vals["source"],
-            sources={int(k): v for k, v in self.group.attrs["sources"].items()},
+            sources=self.sources,
         )
+
+    @property
+    def sources(self) -> dict[int, str]:
+        """Source code -> name (0: the ground truth)."""
+        return {int(k): v for k, v in self.group.attrs["sources"].items()}
+
+    def _faults(self, sums: np.ndarray, k: int, values: Mapping[str, np.ndarray], offset: int,
+                names: Iterable[str]) -> list[ChunkFault]:
+        """Chunk ``k``'s arrays ``names`` (``values`` hold rows from ``offset`` on, as stored) that differ from the
+        checksums recorded when it was written (none: a chunk without a record)."""
+        if not sums[k].any():
+            return []
+        a, b = self._range(k)
+        wrong = [n for n in names if not np.array_equal(values_digest(values[n][a - offset: b - offset]),
+                                                        sums[k, self.ARRAYS.index(n)])]
+        if not wrong:
+            return []
+        return [ChunkFault(k, (a, b), wrong, [self.chunk_file(n, k) for n in wrong],
+                           "values differ from the checksum recorded when the chunk was written")]
+
+    def blocks(self, names: Iterable[str] | None = None, *, verify: bool = True,
+               chunks_per_read: int = 1) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """``(first row, {array: values})`` for ``chunks_per_read`` chunks at a time, in :meth:`read`'s dtypes and
+        checked (with ``verify``) against the recorded checksums as :meth:`read` checks them, a damaged chunk
+        raising :class:`CorruptDataError` before its rows are handed out: memory is that of a block, whatever the
+        store's size."""
+        names = list(self.ARRAYS if names is None else names)
+        unknown = sorted(set(names) - set(self.ARRAYS))
+        if unknown:
+            raise ValueError(f"label store arrays are {', '.join(self.ARRAYS)}; not {', '.join(unknown)}")
+        sums, bad = self._recorded_sums() if verify else (None, {})
+        if bad:
+            raise CorruptDataError(f"label store {self.uri}: cannot read the checksums of chunks {sorted(bad)} "
+                                   f"({self.chunk_file(CHECKSUMS, min(bad))}, ...). {self.repair_hint()}")
+        run = max(1, int(chunks_per_read))
+        for k0 in range(0, self._chunks, run):
+            k1 = min(k0 + run, self._chunks)
+            start, stop = self._range(k0)[0], self._range(k1 - 1)[1]
+            vals = {n: self._read(n, start, stop) for n in names}
+            if sums is not None:
+                faults = [f for k in range(k0, k1) for f in self._faults(sums, k, vals, start, names)]
+                self._raise_faults(VerifyReport(self.uri, "labels", self._chunks, self._chunks, faults))
+            for n in ("length", "image_row"):
+                if n in vals:
+                    vals[n] = vals[n].astype(np.int64)
+            yield start, vals
 
     def _raise_faults(self, report: VerifyReport) -> None:
         if report.faults:
@@ -224,30 +262,12 @@ class LabelStore(ChunkedStore):
         return report
 
     def digest(self) -> str:
-        """sha256 of every array's values (in :meth:`read`'s dtypes) and the source names, read a block of chunks
-        at a time and each chunk checked against its checksums as :meth:`read` does (the store is never in
-        memory whole)."""
-        sums, bad = self._recorded_sums()
-        if bad:
-            raise CorruptDataError(f"label store {self.uri}: cannot read the checksums of chunks {sorted(bad)} "
-                                   f"({self.chunk_file(CHECKSUMS, min(bad))}, ...). {self.repair_hint()}")
-        widen = {"length", "image_row"}  # read() gives them as int64: the digest hashes those bytes
-        c, run = self._rows_per_chunk, 4  # chunks per read: ~17 MB of tokens at 65,536 rows x 16
+        """sha256 of every array's values (in :meth:`read`'s dtypes) and the source names, read a chunk at a time
+        (:meth:`blocks`, one array after another) and each chunk checked against its checksums as :meth:`read` does:
+        the store is never in memory whole."""
         h = hashlib.sha256()
-        faults: list[ChunkFault] = []
-        for i, name in enumerate(self.ARRAYS):
-            for k0 in range(0, self._chunks, run):
-                k1 = min(k0 + run, self._chunks)
-                vals = self._read(name, k0 * c, self._range(k1 - 1)[1])
-                for k in range(k0, k1):
-                    if sums is not None and sums[k].any():
-                        part = vals[(k - k0) * c: (k - k0 + 1) * c]
-                        if not np.array_equal(values_digest(part), sums[k, i]):
-                            faults.append(ChunkFault(k, self._range(k), [name], [self.chunk_file(name, k)],
-                                                     "values differ from the checksum recorded when the chunk was "
-                                                     "written"))
-                h.update(np.ascontiguousarray(vals.astype(np.int64) if name in widen else vals))  # no bytes copy
-        self._raise_faults(VerifyReport(self.uri, "labels", self._chunks, self._chunks, faults))
-        sources = {int(k): v for k, v in self.group.attrs["sources"].items()}
-        h.update(json.dumps(sources, sort_keys=True).encode())
+        for name in self.ARRAYS:
+            for _, vals in self.blocks((name,)):
+                h.update(np.ascontiguousarray(vals[name]))  # no bytes copy
+        h.update(json.dumps(self.sources, sort_keys=True).encode())
         return h.hexdigest()
