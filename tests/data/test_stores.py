@@ -11,6 +11,7 @@ from captioning.data.stores import (
     LabelStore,
     StoreError,
 )
+from captioning.data.stores import features as features_mod
 
 
 def _rows(n, b=6, d=16, seed=0):
@@ -324,6 +325,15 @@ def test_reads_through_zarr_go_a_block_of_chunks_at_a_time_and_chunk_states_are_
     assert s.finished_chunks() == [0, 1, 2, 4, 7, 11]
     rep = s.verify()
     assert (rep.checked, rep.pending, rep.faults) == (6, 6, [])
+    rep = s.verify([11, 3, 0, 6, 0])
+    assert (rep.checked, rep.pending, rep.faults) == (2, 2, [])
     assert s.manifest()["unverified_chunks"] == 0
     s.group["checksum"][4] = 0  # forget one chunk's checksum
-    assert FeatureStore.open(str(tmp_path / "f.zarr")).manifest()["unverified_chunks"] == 1
+    s = FeatureStore.open(str(tmp_path / "f.zarr"))
+    whole = s.manifest()
+    assert whole["unverified_chunks"] == 1
+    for block in (1, 2, 5):  # the row index and status hashed a block of chunks at a time: the same manifest
+        monkeypatch.setattr(features_mod, "_MANIFEST_BLOCK", block)
+        assert s.manifest() == whole
+    assert chunked._runs(np.array([0, 1, 2, 4, 7, 8, 9, 10, 11]), 3) == [
+        range(0, 3), range(4, 5), range(7, 10), range(10, 12)]

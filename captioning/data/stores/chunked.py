@@ -25,6 +25,20 @@ from captioning.util import usable_cpus
 
 _ZARR_BLOCK_CHUNKS = 4096  # chunks per zarr read of a row range (zarr's per-chunk bookkeeping is held at once)
 
+
+def _runs(chunks: np.ndarray, most: int) -> list[range]:
+    """``chunks`` (increasing) as runs of consecutive chunks, ``most`` chunks a run at most (ranges: nothing per
+    chunk)."""
+    if not len(chunks):
+        return []
+    starts = np.flatnonzero(np.concatenate([[True], np.diff(chunks) != 1]))
+    ends = np.append(starts[1:], len(chunks))
+    out = []
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        first = int(chunks[a])
+        out.extend(range(first + i, first + min(i + most, b - a)) for i in range(0, b - a, most))
+    return out
+
 class ChunkedStore:
     """What both stores share: row chunks spanning every array, reads that name a damaged chunk file, and a
     checksum per array and chunk (``checksum`` array, shape (chunks, arrays, 16) uint8, one Zarr chunk per row
@@ -194,12 +208,7 @@ class ChunkedStore:
         per_chunk = sum(int(np.prod(self._array(n).chunks)) * self._array(n).dtype.itemsize
                         for n in self.ARRAYS if self._array(n).dtype.kind not in "OUST")
         group = max(1, min(64, (32 << 20) // max(per_chunk, 1)))  # ~32 MB of decoded values per read
-        runs: list[list[int]] = []
-        for k in todo:
-            if runs and runs[-1][-1] == k - 1 and len(runs[-1]) < group:
-                runs[-1].append(k)
-            else:
-                runs.append([k])
+        runs = _runs(np.asarray(todo, np.int64), group)
         workers = threads or min(4, usable_cpus())
         fresh: dict[int, np.ndarray] = {}
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="capflow-verify") as pool:

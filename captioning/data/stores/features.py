@@ -39,6 +39,8 @@ from captioning.data.stores.common import (
     open_group,
 )
 
+_MANIFEST_BLOCK = 8192  # chunks per read of the row index and status while the manifest hashes them
+
 
 def _compressors(name: str, itemsize: int):
     if name == "none":
@@ -266,9 +268,10 @@ class FeatureStore(ChunkedStore):
         """image id -> row (numpy-backed: a dict of millions of ids would be the largest object of its stage)."""
         return RowIndex(self.image_ids())
 
-    def _pending_mask(self, status: np.ndarray) -> np.ndarray:
-        """Per chunk: has it a row not yet written? (one pass over the status, not a slice per chunk)"""
-        mask = np.zeros(self.num_chunks, bool)
+    def _pending_mask(self, status: np.ndarray, chunks: int | None = None) -> np.ndarray:
+        """Per chunk: has it a row not yet written? (one pass over the status, not a slice per chunk; ``status``
+        from the first row of a chunk on, ``chunks`` of them: default every chunk of the store)"""
+        mask = np.zeros(self.num_chunks if chunks is None else chunks, bool)
         mask[np.flatnonzero(status == PENDING) // self.chunk_rows] = True
         return mask
 
@@ -433,21 +436,26 @@ class FeatureStore(ChunkedStore):
         every chunk's checksums, i.e. of the values (cheap: no feature is read). ``unverified_chunks`` counts
         finished chunks without a checksum (a store written before checksums: ``capflow verify --repair``)."""
         h = hashlib.sha256()
-        ids, st = self.image_ids(), self.status()
-        h.update(ids.tobytes())
-        h.update(st.tobytes())
+        rows = _MANIFEST_BLOCK * self.chunk_rows  # whole chunks per read: the status gives whole chunks' flags
+        for lo in range(0, self.num_rows, rows):  # hashed as read (no bytes copy of the whole array)
+            h.update(np.ascontiguousarray(self.image_ids(lo, min(lo + rows, self.num_rows))))
+        finished = np.zeros(self.num_chunks, bool)
+        for lo in range(0, self.num_rows, rows):
+            st = self.status(lo, min(lo + rows, self.num_rows))
+            h.update(np.ascontiguousarray(st))
+            n = -(-len(st) // self.chunk_rows)
+            finished[lo // self.chunk_rows: lo // self.chunk_rows + n] = ~self._pending_mask(st, n)
         h.update(json.dumps(self.attrs, sort_keys=True, default=str).encode())
         sums, bad = self._recorded_sums()
         if bad:
             raise CorruptDataError(f"feature store {self.uri}: cannot read the checksums of chunks {sorted(bad)} "
                                    f"({self.chunk_file(CHECKSUMS, min(bad))}, ...). {self.repair_hint()}")
-        finished = self.finished_chunks(st)
         if sums is not None:
             h.update(CHECKSUM_ALGORITHM.encode())
-            h.update(sums.tobytes())
-            unverified = int((~sums[finished].reshape(len(finished), -1).any(axis=1)).sum())
+            h.update(np.ascontiguousarray(sums))
+            unverified = int((finished & ~sums.reshape(len(sums), -1).any(axis=1)).sum())
         else:
-            unverified = len(finished)
+            unverified = int(finished.sum())
         return {
             "uri": self.uri,
             "rows": self.num_rows,
@@ -495,12 +503,16 @@ class FeatureStore(ChunkedStore):
         for k, e in bad_sums.items():
             report.faults.append(ChunkFault(k, self.chunk_range(k), [CHECKSUMS], [self.chunk_file(CHECKSUMS, k)],
                                             f"checksum record cannot be read ({type(e).__name__}: {e})"))
-        finished = [k for k in self.finished_chunks(status) if k not in bad_status and k not in bad_sums]
-        wanted = set(range(self.num_chunks)) if chunks is None else set(chunks)
-        todo = [k for k in finished if k in wanted]
-        done = set(finished)  # membership per chunk: a list here made the count quadratic in the chunks
-        report.pending = sum(1 for k in wanted if k not in done and k not in bad_status and k not in bad_sums)
-        fresh = self._verify_chunks(todo, report, sums, threads) if todo else {}
+        unreadable = np.zeros(self.num_chunks, bool)  # per chunk, as masks: no Python object per chunk
+        unreadable[sorted(bad_status | set(bad_sums))] = True
+        finished = ~self._pending_mask(status) & ~unreadable
+        wanted = np.ones(self.num_chunks, bool)
+        if chunks is not None:
+            wanted[:] = False
+            wanted[np.fromiter(chunks, np.int64)] = True
+        report.pending = int((wanted & ~finished & ~unreadable).sum())
+        todo = np.flatnonzero(finished & wanted)
+        fresh = self._verify_chunks(todo, report, sums, threads) if len(todo) else {}
         report.faults.sort(key=lambda f: f.chunk)
         if repair:
             fixable = sorted({f.chunk for f in report.faults if "image_id" not in f.arrays})
