@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from captioning.data.karpathy import Dataset, open_dataset
+from captioning.data.karpathy import Dataset, image_ids_of, open_dataset
 from captioning.data.plans import extract_plan, ingest_plan, vocab_plan
 from captioning.data.prepare import ingest_file, vocab_and_labels
 from captioning.data.stores import FeatureStore, LabelStore
@@ -127,8 +127,8 @@ def import_features(rc: RunContext, att_dir: Path | None = None, box_dir: Path |
     ids: list[int] | None = None
     if cfg.dataset.annotations:
         data = ingest(rc)
-        ds = Dataset.load(data.path)
-        ids = [e.image_id for e in ds.images]
+        ds = open_dataset(data.path)  # streamed: the id column, then one entry at a time for the sizes
+        ids = image_ids_of(ds).tolist()
         sizes.update(image_sizes(ds))  # the image files themselves win over a sizes file
     f = cfg.features
     if uri is None:

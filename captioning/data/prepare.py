@@ -7,6 +7,7 @@ config.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import tempfile
@@ -23,6 +24,7 @@ from captioning.data.columnar import DatasetFile
 from captioning.data.karpathy import SPLIT_CODES, Dataset, DatasetError, ImageEntry, image_ids_of, ingest_karpathy
 from captioning.data.plans import IngestPlan, VocabPlan
 from captioning.data.stores import FeatureStore, LabelStore
+from captioning.data.tar_members import MemberError, MemberRef, read_member
 from captioning.data.text import Vocabulary, build_vocabulary
 from captioning.util import atomic_write, usable_cpus
 
@@ -212,16 +214,18 @@ def import_npy_features(
                          attrs={"att_dir": str(att_dir), "box_dir": str(box_dir)}).store
 
 
-def image_sizes(ds: Dataset) -> dict[int, tuple[int, int]]:
-    """(height, width) of each dataset image whose file can be opened (header only)."""
+def image_sizes(ds: Dataset | DatasetFile) -> dict[int, tuple[int, int]]:
+    """(height, width) of each dataset image whose file can be opened (header only; an image inside a WebDataset
+    shard is read from its checked byte range), the dataset streamed entry by entry."""
     out: dict[int, tuple[int, int]] = {}
     if ds.images_root is None:
         return out
-    for e in ds.images:
-        p = Path(ds.images_root) / e.file
+    for e in ds.iter_entries():
+        p = ds.image_path(e)
         try:
-            with Image.open(p) as im:
+            ref = MemberRef.parse(p)
+            with Image.open(p if ref is None else io.BytesIO(read_member(ref))) as im:
                 out[e.image_id] = (im.height, im.width)
-        except OSError:
+        except (OSError, MemberError):
             continue
     return out

@@ -3,6 +3,7 @@ reasons, splits), the images read back as byte ranges of the shards, and feature
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -20,7 +21,7 @@ from PIL import Image
 from captioning.config import load_config
 from captioning.data.karpathy import DatasetError
 from captioning.data.plans import ingest_plan
-from captioning.data.prepare import ingest
+from captioning.data.prepare import image_sizes, ingest, ingest_file
 from captioning.data.shards import split_rank
 from captioning.data.tar_members import MemberError, MemberRef, read_member
 from captioning.features.images import ImageRejected, load_rgb
@@ -157,6 +158,22 @@ def test_shards_ingest_counts_rejections_splits_and_images(shards: Shards, tmp_p
     # the same shards give the same dataset; the digest covers the member references
     again = ingest(ingest_plan(cfg))
     assert again.digest == ds.digest and again.images == ds.images
+
+
+def test_image_sizes_of_a_shard_dataset_come_from_the_shards(shards: Shards, tmp_path: Path) -> None:
+    """``capflow import-features`` makes pixel boxes relative with these sizes: each image's header read from its
+    byte range of the shard (the streamed dataset file and the dataset in memory alike), the truncated one too."""
+    plan = ingest_plan(_cfg(tmp_path, shards.root))
+    streamed = ingest_file(plan, tmp_path / "dataset.parquet")
+    want = {}
+    for iid, path in shards.files.items():
+        with Image.open(path) as im:
+            want[iid] = (im.height, im.width)
+    whole = ingest(plan)
+    assert image_sizes(streamed) == want and image_sizes(whole) == want and len(want) == 27
+    assert all(MemberRef.parse(e.file) is not None for e in whole.images)
+    moved = dataclasses.replace(whole, images_root=str(tmp_path / "elsewhere"))  # shards not found: no sizes
+    assert image_sizes(moved) == {}
 
 
 def test_default_splits_and_the_reject_limit(shards: Shards, tmp_path: Path) -> None:
