@@ -303,7 +303,6 @@ class _CompactTokens:
 
     def __init__(self, vocab: Vocabulary, spill: bool = False):
         self.small = len(vocab) <= 2**16
-        self.spill = spill
         self.parts: list[np.ndarray] = []
         self.counts: list[np.ndarray] = []
         self.spilled = SpilledArray(np.uint16 if self.small else np.int32) if spill else None
@@ -318,13 +317,14 @@ class _CompactTokens:
         was_small = self.small
         self.small = self.small and (not len(flat) or (flat.min() >= 0 and flat.max() < 2**16))
         counts = keep.sum(1)
-        if self.spilled is None or self.offsets is None:
+        if self.spilled is None:
             self.parts.append(flat.astype(np.uint16) if self.small else flat.astype(np.int32))
             self.counts.append(counts)
             return
         if was_small and not self.small:
             self.spilled = self.spilled.widened(np.int32)
         self.spilled.append(flat)
+        assert self.offsets is not None  # spilled together
         self.offsets.append(self.total + np.cumsum(counts))
         self.total += int(counts.sum())
 

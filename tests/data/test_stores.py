@@ -327,6 +327,9 @@ def test_reads_through_zarr_go_a_block_of_chunks_at_a_time_and_chunk_states_are_
     assert (rep.checked, rep.pending, rep.faults) == (6, 6, [])
     rep = s.verify([11, 3, 0, 6, 0])
     assert (rep.checked, rep.pending, rep.faults) == (2, 2, [])
+    for outside in (12, -1):  # no chunk of that number (a negative one is not counted from the end)
+        with pytest.raises(ValueError, match=f"chunks 0..11; asked to verify {outside}"):
+            s.verify([0, outside])
     assert s.manifest()["unverified_chunks"] == 0
     s.group["checksum"][4] = 0  # forget one chunk's checksum
     s = FeatureStore.open(str(tmp_path / "f.zarr"))

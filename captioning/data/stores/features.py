@@ -508,8 +508,12 @@ class FeatureStore(ChunkedStore):
         finished = ~self._pending_mask(status) & ~unreadable
         wanted = np.ones(self.num_chunks, bool)
         if chunks is not None:
+            asked = np.fromiter(chunks, np.int64)
+            if len(asked) and (asked.min() < 0 or asked.max() >= self.num_chunks):
+                raise ValueError(f"{self.uri} has chunks 0..{self.num_chunks - 1}; asked to verify "
+                                 f"{int(asked[(asked < 0) | (asked >= self.num_chunks)][0])}")
             wanted[:] = False
-            wanted[np.fromiter(chunks, np.int64)] = True
+            wanted[asked] = True
         report.pending = int((wanted & ~finished & ~unreadable).sum())
         todo = np.flatnonzero(finished & wanted)
         fresh = self._verify_chunks(todo, report, sums, threads) if len(todo) else {}

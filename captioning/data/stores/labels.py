@@ -211,12 +211,12 @@ class LabelStore(ChunkedStore):
         return [ChunkFault(k, (a, b), wrong, [self.chunk_file(n, k) for n in wrong],
                            "values differ from the checksum recorded when the chunk was written")]
 
-    def blocks(self, names: Iterable[str] | None = None, *, verify: bool = True,
-               chunks_per_read: int = 1) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        """``(first row, {array: values})`` for ``chunks_per_read`` chunks at a time, in :meth:`read`'s dtypes and
-        checked (with ``verify``) against the recorded checksums as :meth:`read` checks them, a damaged chunk
-        raising :class:`CorruptDataError` before its rows are handed out: memory is that of a block, whatever the
-        store's size."""
+    def blocks(self, names: Iterable[str] | None = None, *, verify: bool = True
+               ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """``(first row, {array: values})`` a chunk at a time, in :meth:`read`'s dtypes and checked (with
+        ``verify``) against the recorded checksums as :meth:`read` checks them, a damaged chunk raising
+        :class:`CorruptDataError` before its rows are handed out: memory is that of a chunk, whatever the store's
+        size."""
         names = list(self.ARRAYS if names is None else names)
         unknown = sorted(set(names) - set(self.ARRAYS))
         if unknown:
@@ -225,14 +225,12 @@ class LabelStore(ChunkedStore):
         if bad:
             raise CorruptDataError(f"label store {self.uri}: cannot read the checksums of chunks {sorted(bad)} "
                                    f"({self.chunk_file(CHECKSUMS, min(bad))}, ...). {self.repair_hint()}")
-        run = max(1, int(chunks_per_read))
-        for k0 in range(0, self._chunks, run):
-            k1 = min(k0 + run, self._chunks)
-            start, stop = self._range(k0)[0], self._range(k1 - 1)[1]
+        for k in range(self._chunks):
+            start, stop = self._range(k)
             vals = {n: self._read(n, start, stop) for n in names}
             if sums is not None:
-                faults = [f for k in range(k0, k1) for f in self._faults(sums, k, vals, start, names)]
-                self._raise_faults(VerifyReport(self.uri, "labels", self._chunks, self._chunks, faults))
+                self._raise_faults(VerifyReport(self.uri, "labels", self._chunks, self._chunks,
+                                                self._faults(sums, k, vals, start, names)))
             for n in ("length", "image_row"):
                 if n in vals:
                     vals[n] = vals[n].astype(np.int64)
