@@ -18,6 +18,15 @@ import numpy as np
 __all__ = ["FileArray", "SpilledArray"]
 
 
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Bytes read at ``offset`` into ``view`` (``preadv`` where the system has it, else ``pread`` and a copy)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    got = os.pread(fd, len(view), offset)  # pragma: no cover - systems without preadv
+    view[:len(got)] = got  # pragma: no cover
+    return len(got)  # pragma: no cover
+
+
 class FileArray:
     """A one-dimensional, read-only array in a file, read by position: ``a[i]``, ``a[lo:hi]`` and ``a[indices]``
     (an integer array) give numpy arrays as indexing a numpy array does; ``np.asarray(a)`` reads it whole."""
@@ -41,20 +50,26 @@ class FileArray:
     def nbytes(self) -> int:
         return self._n * self.dtype.itemsize
 
-    def _read(self, lo: int, hi: int) -> np.ndarray:
-        size = self.dtype.itemsize
-        want = (hi - lo) * size
-        buf = os.pread(self._fd, want, lo * size)
-        if len(buf) != want:
-            raise OSError(f"short read of a spilled array: {len(buf)} of {want} bytes")
-        return np.frombuffer(buf, self.dtype)
+    def _read(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Positions lo..hi-1 as a new array, read straight into it (or into ``out``, of that length): no bytes
+        object in between, so reading a part holds it once."""
+        if out is None:
+            out = np.empty(hi - lo, self.dtype)
+        view = memoryview(out.view(np.uint8).reshape(-1))
+        offset, done = lo * self.dtype.itemsize, 0
+        while done < len(view):
+            got = _pread_into(self._fd, view[done:], offset + done)
+            if got <= 0:
+                raise OSError(f"short read of a spilled array: {done} of {len(view)} bytes")
+            done += got
+        return out
 
     def __getitem__(self, key):
         if isinstance(key, slice):
             lo, hi, step = key.indices(self._n)
             if step != 1:
                 return self._read(lo, max(lo, hi))[::step] if step > 0 else np.asarray(self)[key]
-            return self._read(lo, max(lo, hi)).copy()
+            return self._read(lo, max(lo, hi))
         if isinstance(key, (int, np.integer)):
             i = int(key) + (self._n if key < 0 else 0)
             if not 0 <= i < self._n:
@@ -70,16 +85,16 @@ class FileArray:
         if len(flat) == 0:
             return np.zeros(idx.shape, self.dtype)
         if len(flat) == int(flat[-1]) - int(flat[0]) + 1 and (np.diff(flat) == 1).all():  # one run: one read
-            return self._read(int(flat[0]), int(flat[-1]) + 1).copy().reshape(idx.shape)
+            return self._read(int(flat[0]), int(flat[-1]) + 1).reshape(idx.shape)
         pos, inv = np.unique(flat, return_inverse=True)
         cut = np.flatnonzero(np.diff(pos) != 1) + 1
         out = np.empty(len(pos), self.dtype)
         for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(pos)], strict=True):
-            out[a:b] = self._read(int(pos[a]), int(pos[b - 1]) + 1)
+            self._read(int(pos[a]), int(pos[b - 1]) + 1, out[a:b])
         return out[inv.reshape(-1)].reshape(idx.shape)
 
     def __array__(self, dtype=None, copy=None):
-        whole = self._read(0, self._n).copy()
+        whole = self._read(0, self._n)
         return whole if dtype is None else whole.astype(dtype, copy=False)
 
 

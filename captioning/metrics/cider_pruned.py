@@ -34,10 +34,13 @@ import numpy as np
 
 from captioning.data.spill import SpilledArray
 from captioning.metrics.cider_refs import _SHIFT, CountIdf, CsrReferences, _NgramIndex, sorted_join
+from captioning.util import release_free_heap
 
 __all__ = ["PrunedTable"]
 
-_CHUNK_REFS = 65_536  # references per chunk of the build at most (temporaries: ~100 bytes per token)
+# references per chunk of the build at most (temporaries: ~100 bytes per token); the blocks' least size
+# (cider._BLOCK_REFS), so that a chunk is as large at 100k images as at 1M (65,536 doubled the build's peak there)
+_CHUNK_REFS = 32_768
 _LUT_MAX = 1 << 24  # tokens below this are mapped to word ids through a dense array
 _PART_ENTRIES = 1 << 20  # an order's count entries per partition, about (see _Counter): ~40 MB to sum one
 
@@ -143,6 +146,7 @@ class PrunedTable:
             words = got + np.concatenate([words, np.zeros(size - len(words), np.int64)])
         index.sizes[1] = len(index.vocab)
         self._make_lut()
+        release_free_heap()  # each phase's temporaries gone before the next one's (see release_free_heap)
         counts, first = SpilledArray(np.int32), SpilledArray(block_dtype)  # over the orders, read back at the end
         counts.append(words.astype(np.int32))
         first.append(np.zeros(len(words), block_dtype))
@@ -160,6 +164,7 @@ class PrunedTable:
             counts.append(got)
             first.append(block)
             del counter, keys, got, block
+            release_free_heap()
         self.counts = np.asarray(counts.array())  # over the combined ids (index.offsets())
         self.first = np.asarray(first.array())
         counts.close()

@@ -4,6 +4,7 @@ numpy indexing reads them, and without the file's pages staying in the process."
 from __future__ import annotations
 
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -63,3 +64,29 @@ def test_scattered_reads_keep_nothing_resident():
     for _ in range(5):
         assert np.array_equal(a[idx], idx.astype(np.int32))
     assert _rss_kb() - before < 16 << 10  # a memory map would hold most of the 128 MiB here
+
+
+def test_reads_hold_the_values_once_and_are_writable():
+    """A read goes straight into the array it returns (no bytes object copied after it): reading a spilled array
+    whole peaks at about its size, not twice it; records round trip as their bytes."""
+    n = 2 << 20  # 16 MiB of int64
+    s = SpilledArray(np.int64)
+    s.append(np.arange(n, dtype=np.int64))
+    a = s.array()
+    tracemalloc.start()
+    try:
+        whole = np.asarray(a)
+        part = a[1000:n - 1000]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(whole, np.arange(n)) and np.array_equal(part, np.arange(1000, n - 1000))
+    assert peak < 2.2 * a.nbytes  # whole + the part; a bytes object under each read made it ~4x
+    part[0] = -1  # a new array, not a view of a buffer
+    assert a[1000] == 1000
+    rec = np.dtype([("key", np.int64), ("count", np.int32), ("first", np.uint8)])
+    r = SpilledArray(rec)
+    values = np.array([(5, 2, 1), (-3, 7, 0), (9, 1, 255)], rec)
+    r.append(values)
+    got = r.array()
+    assert np.array_equal(np.asarray(got), values) and np.array_equal(got[np.array([2, 0])], values[[2, 0]])
