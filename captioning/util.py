@@ -32,18 +32,20 @@ def usable_cpus() -> int:
 @cache
 def _malloc_trim():
     try:
-        return ctypes.CDLL(None).malloc_trim  # the C library the interpreter runs on
-    except (AttributeError, OSError):  # pragma: no cover - not glibc (macOS, musl): nothing to call
+        trim = ctypes.CDLL(None).malloc_trim  # the C library the interpreter runs on
+    except (AttributeError, OSError, TypeError):  # pragma: no cover - not glibc (macOS, musl, Windows): nothing
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def release_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing where there is none).
 
-    numpy's arrays above the allocator's (self-raising) threshold of a few MB come from the heap; a build whose large
-    temporaries come and go between long-lived arrays leaves the heap holding tens of MB of freed pages, resident
-    until the process ends. Called between the phases of such a build (SCST's CIDEr-D set-up), it keeps the peak to
-    what is live."""
+    numpy's arrays below glibc's mapping threshold (which rises to up to 32 MB as large blocks are freed) come from
+    the heap; a build whose large temporaries come and go between long-lived arrays leaves the heap holding tens of
+    MB of freed pages, resident until the process ends: ``free`` only gives back the heap's top. Called between the
+    phases of such a build (SCST's CIDEr-D set-up), it keeps the peak to what is live."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
