@@ -39,6 +39,7 @@ def _runs(chunks: np.ndarray, most: int) -> list[range]:
         out.extend(range(first + i, first + min(i + most, b - a)) for i in range(0, b - a, most))
     return out
 
+
 class ChunkedStore:
     """What both stores share: row chunks spanning every array, reads that name a damaged chunk file, and a
     checksum per array and chunk (``checksum`` array, shape (chunks, arrays, 16) uint8, one Zarr chunk per row
